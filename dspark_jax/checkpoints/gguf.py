@@ -1,0 +1,192 @@
+"""GGUF files (llama.cpp): config, dequantized tensors under Hugging Face names, tokenizer.
+
+Tensors are dequantized with the ``gguf`` package. llama.cpp's converter permutes the rows of
+the q and k projections of Llama models (to its interleaved rotary layout); :func:`unpermute`
+undoes that so the weights match the Hugging Face ``rotate_half`` layout. The tokenizer is
+rebuilt from the file's vocabulary and merges with ``tokenizers`` (no torch needed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax.checkpoints.errors import CheckpointError
+from dspark_jax.checkpoints.hf import TensorSource
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# The pre-tokenizer splits of the byte-level vocabularies we know, keyed by tokenizer.ggml.pre.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Hugging Face key of a GGUF tensor name, or None for tensors we do not use."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation: [heads*D, in] rows back to rotate_half order."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+class GGUFFile(TensorSource):
+    """A GGUF file read as a tensor source with Hugging Face key names."""
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"GGUF file {self.path} does not exist")
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:
+            raise CheckpointError(f"corrupt or partial GGUF file {self.path}: {e}") from e
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"unsupported GGUF architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        self._tensors = {}
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def keys(self):
+        return self._tensors.keys()
+
+    def __contains__(self, key):
+        return key in self._tensors
+
+    def get(self, key: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._tensors[key]
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        array = array.reshape(tuple(int(n) for n in reversed(t.shape)))
+        if self.arch == "llama" and (".q_proj." in key or ".k_proj." in key):
+            heads = self.field(f"{self.arch}.attention.head_count")
+            if ".k_proj." in key:
+                heads = self.field(f"{self.arch}.attention.head_count_kv", heads)
+            array = unpermute(array, int(heads))
+        return array
+
+    def hf_config(self) -> dict:
+        """The Hugging Face config.json dict this file describes."""
+        a = self.arch
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        tokens = self.reader.fields["tokenizer.ggml.tokens"]
+        config = dict(
+            architectures=[ARCHITECTURES[a]],
+            model_type=a,
+            vocab_size=int(self.field(f"{a}.vocab_size", len(tokens.data))),
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_hidden_layers=int(self.field(f"{a}.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(self.field(f"{a}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+            attention_bias=False,
+        )
+        scaling = self.field(f"{a}.rope.scaling.type")
+        if scaling and scaling != "none":
+            config["rope_scaling"] = dict(
+                rope_type=scaling, factor=float(self.field(f"{a}.rope.scaling.factor")),
+                original_max_position_embeddings=int(
+                    self.field(f"{a}.rope.scaling.original_context_length",
+                               config["max_position_embeddings"])))
+        return config
+
+    def tokenizer(self):
+        """A transformers fast tokenizer rebuilt from the file (byte-level BPE vocabularies)."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        kind = self.field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise CheckpointError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+                "load the model from a Hugging Face folder instead")
+        tokens = self.field("tokenizer.ggml.tokens")
+        types = self.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges")]
+        backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                       fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = self.field("tokenizer.ggml.pre")
+        if pre in _SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre == "smollm":  # the original SmolLM tokenizer.json: digits split one by one
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        alphabet = set(bytes_to_unicode().values())
+        backend.add_special_tokens([
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, types) if kind == 3 and set(t) <= alphabet])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == 4])
+
+        def token(key):
+            index = self.field(f"tokenizer.ggml.{key}")
+            return None if index is None else tokens[index]
+
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token=token("bos_token_id"),
+            eos_token=token("eos_token_id"), unk_token=token("unknown_token_id"),
+            pad_token=token("padding_token_id"), clean_up_tokenization_spaces=False)
+        template = self.field("tokenizer.chat_template")
+        if template:
+            tok.chat_template = template
+        return tok

@@ -1,0 +1,105 @@
+"""Temperature, top-k and top-p as traced arrays, and the exact probability rows they give.
+
+Every sampler in the project (the autoregressive loop, the drafter's block sampler, the
+rejection sampler's target rows) goes through :func:`sampling_probs`, so that the draft
+probabilities ``q`` and target probabilities ``p`` are produced by exactly the same processing
+as the tokens that were sampled from them.
+
+Sampling parameters are arrays broadcastable to the leading dimensions of the logits: changing
+them between calls never recompiles. ``temperature <= GREEDY_TEMPERATURE`` is greedy decoding,
+whose probability row is the point mass on the argmax (ties go to the lowest id).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _expand(x: jax.Array | float, ndim: int, dtype=jnp.float32) -> jax.Array:
+    """Casts a per-row parameter of shape [...] to [..., 1] for broadcasting over the vocabulary."""
+    x = jnp.asarray(x, dtype)
+    return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def sampling_probs(
+    logits: jax.Array,
+    temperature: jax.Array | float = 1.0,
+    top_p: jax.Array | float = 1.0,
+    top_k: jax.Array | int = 0,
+) -> jax.Array:
+    """Probability rows after temperature, top-k and top-p processing.
+
+    Args:
+      logits: [..., V] raw logits (any float dtype; computed in float32).
+      temperature: broadcastable to [...]; <= GREEDY_TEMPERATURE means greedy (point mass).
+      top_p: broadcastable to [...]; nucleus mass in (0, 1]; 1 disables it. Tokens tied with the
+        smallest kept probability are kept too, so the row does not depend on sort order.
+      top_k: broadcastable to [...]; keep the k most likely tokens (ties kept); <= 0 disables it.
+
+    Returns:
+      [..., V] float32 rows that sum to 1.
+    """
+    logits = logits.astype(jnp.float32)
+    ndim = logits.ndim
+    t = _expand(temperature, ndim)
+    greedy = t <= GREEDY_TEMPERATURE
+    probs = jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1)
+
+    probs = jax.lax.cond(
+        jnp.any(_expand(top_p, ndim) < 1.0) | jnp.any(_expand(top_k, ndim, jnp.int32) > 0),
+        lambda pr: _truncate(pr, top_p, top_k), lambda pr: pr, probs)
+    point_mass = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(greedy, point_mass, probs)
+
+
+def _truncate(probs: jax.Array, top_p, top_k) -> jax.Array:
+    """Top-k then top-p truncation of probability rows [..., V], renormalised."""
+    ndim = probs.ndim
+    # One descending sort serves both rules: a token is kept when its probability is at least
+    # the cutoff probability of each active rule.
+    sorted_probs = -jnp.sort(-probs, axis=-1)
+    vocab = probs.shape[-1]
+    k = _expand(top_k, ndim, jnp.int32)
+    k = jnp.where(k <= 0, vocab, jnp.minimum(k, vocab))
+    kth = jnp.take_along_axis(sorted_probs, k - 1, axis=-1)
+    p = _expand(top_p, ndim)
+    # As in transformers and vLLM, the nucleus is taken on the top-k renormalised row: the
+    # shortest prefix whose mass reaches top_p (the exclusive cumsum < top_p marks every member).
+    in_top_k = jnp.where(sorted_probs >= kth, sorted_probs, 0.0)
+    in_top_k = in_top_k / jnp.sum(in_top_k, axis=-1, keepdims=True)
+    exclusive = jnp.cumsum(in_top_k, axis=-1) - in_top_k
+    n_keep = jnp.maximum(jnp.sum(exclusive < p, axis=-1, keepdims=True), 1)
+    nucleus_min = jnp.take_along_axis(sorted_probs, n_keep - 1, axis=-1)
+    cutoff = jnp.maximum(kth, jnp.where(p >= 1.0, 0.0, nucleus_min))
+    probs = jnp.where(probs >= cutoff, probs, 0.0)
+    return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draws one token per row of ``probs`` [..., V] exactly from that law; returns int32 [...]."""
+    logp = jnp.log(jnp.where(probs > 0, probs, 1.0))
+    logp = jnp.where(probs > 0, logp, -jnp.inf)
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+
+def sample(
+    key: jax.Array,
+    logits: jax.Array,
+    temperature: jax.Array | float = 1.0,
+    top_p: jax.Array | float = 1.0,
+    top_k: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Samples tokens from processed logits.
+
+    Returns:
+      tokens: int32 [...].
+      probs: float32 [..., V], the exact row each token was drawn from.
+    """
+    probs = sampling_probs(logits, temperature, top_p, top_k)
+    greedy = jnp.all(jnp.asarray(temperature) <= GREEDY_TEMPERATURE)
+    tokens = jax.lax.cond(greedy, lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+                          lambda: sample_from_probs(key, probs))
+    return tokens, probs

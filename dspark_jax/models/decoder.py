@@ -1,0 +1,162 @@
+"""The target decoder family: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+One Flax NNX module whose decoder layers are stacked along a leading ``layers`` axis and run
+with ``jax.lax.scan``, so compile time does not grow with depth. The forward pass returns the
+final-normed hidden states, the raw outputs of any tapped layers (the DFlash context features,
+DSPARK_SPEC.md section 3) and the updated KV cache; logits are a separate call so that
+training can run the LM head only where it needs it.
+
+Callers use it pure-functionally: ``graphdef, state = nnx.split(model)`` outside, and
+``nnx.merge(graphdef, state)`` inside a jitted function.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.models.kv_cache import KVCache, write_layer
+from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, rope_cos_sin,
+                                      rope_frequencies)
+
+
+class DecoderOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, d] after the final norm
+    taps: jax.Array | None  # [B, T, m*d] raw outputs of the tapped layers, in tap order
+    cache: KVCache | None
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm layer: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
+                       bias=cfg.mlp_bias)
+
+
+def causal_mask(q_positions: jax.Array, k_positions: jax.Array,
+                k_valid: jax.Array | None = None) -> jax.Array:
+    """bool [B, T, S]: query t sees key s when k_pos[s] <= q_pos[t] (and key s is valid)."""
+    mask = k_positions[:, None, :] <= q_positions[:, :, None]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
+    """Builds ``num_layers`` layers with parameters stacked along a leading 'layers' axis."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def build(r):
+        return make_layer(r)
+
+    return build(rngs)
+
+
+class Decoder(nnx.Module):
+    """Llama / Qwen2 / Qwen3 causal decoder."""
+
+    def __init__(self, cfg, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = stacked(lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r),
+                              cfg.num_hidden_layers, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab")))
+
+    # -- pieces shared with the drafter ---------------------------------------------------
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """int [B, T] -> [B, T, d]."""
+        return self.embed_tokens(tokens)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final-normed hidden [..., d] -> float32 logits [..., V]."""
+        head = self.embed_tokens.embedding.value.T if self.lm_head is None else self.lm_head.value
+        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def rope(self, positions: jax.Array):
+        """int [B, T] -> (cos, sin) [B, T, D]."""
+        cfg = self.cfg
+        inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                           cfg.max_position_embeddings)
+        return rope_cos_sin(positions, inv_freq, scale)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, *, cache: KVCache | None = None,
+                 key_valid: jax.Array | None = None, mask: jax.Array | None = None,
+                 tap_layer_ids: tuple[int, ...] = ()) -> DecoderOutput:
+        """Runs the decoder on ``tokens`` at ``positions``.
+
+        Args:
+          tokens: int [B, T].
+          positions: int [B, T]; with a cache these are also the slots written.
+          cache: optional KV cache; when given, the new keys/values are written at
+            ``positions`` and queries attend over all S slots (slot s visible when s <= pos).
+          key_valid: bool [B, T], only without a cache: keys that may be attended to.
+          mask: bool [B, T, S] overriding the default causal mask (e.g. segment ids).
+          tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
+
+        Returns:
+          DecoderOutput(hidden [B, T, d], taps [B, T, m*d] or None, cache).
+        """
+        num_layers = self.cfg.num_hidden_layers
+        for layer_id in tap_layer_ids:
+            if not -1 <= layer_id < num_layers:
+                raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
+        h = self.embed(tokens)
+        cos, sin = self.rope(positions)
+        if mask is None:
+            if cache is None:
+                mask = causal_mask(positions, positions, key_valid)
+            else:
+                slots = jnp.broadcast_to(jnp.arange(cache.num_slots), (tokens.shape[0], cache.num_slots))
+                mask = causal_mask(positions, slots)
+
+        tap_slot = np.full((num_layers,), -1, np.int32)
+        for slot, layer_id in enumerate(tap_layer_ids):
+            if layer_id >= 0:
+                tap_slot[layer_id] = slot
+        taps = jnp.zeros((len(tap_layer_ids),) + h.shape, h.dtype) if tap_layer_ids else None
+        if -1 in tap_layer_ids:
+            taps = taps.at[tap_layer_ids.index(-1)].set(h)
+
+        graphdef, layer_state = nnx.split(self.layers)
+        tap_slot = jnp.asarray(tap_slot)
+
+        def step(carry, xs):
+            h, taps = carry
+            state, index, k_cache, v_cache = xs
+            layer = nnx.merge(graphdef, state)
+            x = layer.input_layernorm(h)
+            q = layer.self_attn.queries(x, cos, sin)
+            k, v = layer.self_attn.keys_values(x, cos, sin)
+            if k_cache is not None:
+                k = k_cache = write_layer(k_cache, k, positions)
+                v = v_cache = write_layer(v_cache, v, positions)
+            h = h + layer.self_attn.output(attend(q, k, v, mask))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if taps is not None:
+                slot = tap_slot[index]
+                taps = jax.lax.cond(slot >= 0, lambda t: t.at[slot].set(h), lambda t: t, taps)
+            return (h, taps), (k_cache, v_cache)
+
+        layer_caches = (None, None) if cache is None else (cache.k, cache.v)
+        (h, taps), (k_cache, v_cache) = jax.lax.scan(
+            step, (h, taps), (layer_state, jnp.arange(num_layers)) + layer_caches)
+        if cache is not None:
+            cache = KVCache(k_cache, v_cache)
+        if taps is not None:
+            taps = jnp.moveaxis(taps, 0, 2).reshape(*h.shape[:2], -1)
+        return DecoderOutput(self.norm(h), taps, cache)

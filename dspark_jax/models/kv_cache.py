@@ -1,0 +1,46 @@
+"""The key/value cache as an explicit pytree.
+
+Slot ``s`` of a row holds the keys and values of the token at position ``s`` of that row, so a
+cache needs no length field for attention: a query at position p sees slots 0..p, which are
+always committed tokens. Rolling back after a rejected draft is therefore free; the next write
+at the committed length overwrites the stale slots (as in levanter's speculative loop).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    """k, v: [L, B, S, K, D] for L layers, B rows, S slots, K kv heads, D head dim."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
+              dtype) -> "KVCache":
+        shape = (num_layers, batch, slots, kv_heads, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+
+def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Scatters new entries into one layer of the cache.
+
+    Args:
+      cache_layer: [B, S, K, D].
+      new: [B, T, K, D], the entries of the tokens at ``positions``.
+      positions: int [B, T], slot of each new token (positions >= S are dropped).
+
+    Returns:
+      [B, S, K, D] updated.
+    """
+    rows = jnp.arange(new.shape[0])[:, None]
+    return cache_layer.at[rows, positions].set(new.astype(cache_layer.dtype), mode="drop")

@@ -1,0 +1,225 @@
+"""Building blocks shared by the target decoder and the drafter.
+
+RMSNorm, linear layers with logical axis names, rotary embeddings in the Hugging Face
+``rotate_half`` layout (with the rope scaling types of Llama 3, Qwen2 and Qwen3 configs), a
+GQA attention core over an explicit boolean mask, and the gated SiLU MLP.
+
+Shapes: B batch, T query tokens, S key tokens, H query heads, K key/value heads,
+D head dim, d hidden size, I MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs | None, shape, dtype, names, init="normal") -> nnx.Param:
+    """A parameter carrying logical axis names (``out_sharding`` metadata, applied lazily)."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=tuple(names), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as in transformers."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = _param(None, (dim,), dtype, (axis_name,), init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., dim] -> [..., dim] in x.dtype."""
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value * xf.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [V, d]; ``attend`` gives the tied LM head."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = _param(rngs, (vocab, dim), dtype, ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """int [...] -> [..., d]."""
+        return jnp.take(self.embedding.value, tokens, axis=0)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] (the transpose of torch's weight)."""
+
+    def __init__(self, d_in: int, d_out: int, *, names: tuple[str, str], dtype,
+                 rngs: nnx.Rngs, bias: bool = False):
+        self.kernel = _param(rngs, (d_in, d_out), dtype, names)
+        self.bias = _param(None, (d_out,), dtype, names[1:], init="zeros") if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x, self.kernel.value)
+        return y if self.bias is None else y + self.bias.value
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)): [..., d] -> [..., d]."""
+
+    def __init__(self, d: int, inner: int, *, dtype, rngs: nnx.Rngs, bias: bool = False):
+        self.gate_proj = Linear(d, inner, names=("embed", "mlp"), dtype=dtype, rngs=rngs, bias=bias)
+        self.up_proj = Linear(d, inner, names=("embed", "mlp"), dtype=dtype, rngs=rngs, bias=bias)
+        self.down_proj = Linear(inner, d, names=("mlp", "embed"), dtype=dtype, rngs=rngs, bias=bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict,
+                     max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [D/2] and the cos/sin scale, as transformers computes them.
+
+    Supports rope_type "default", "linear", "llama3" and "yarn" (the types used by Llama 3.x,
+    Qwen2 and Qwen3 checkpoints).
+    """
+    scaling = dict(scaling or {})
+    rope_type = scaling.get("rope_type", "default")
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if rope_type == "default":
+        return inv_freq.astype(np.float32), 1.0
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return (inv_freq / factor).astype(np.float32), 1.0
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    if rope_type == "llama3":
+        low_wavelen = original / scaling["low_freq_factor"]
+        high_wavelen = original / scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - scaling["low_freq_factor"]) / (
+            scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if rope_type == "yarn":
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is None:
+            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                attention_factor = mscale(factor, scaling["mscale"]) / mscale(
+                    factor, scaling["mscale_all_dim"])
+            else:
+                attention_factor = mscale(factor)
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+
+        def correction_dim(rotations):
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = inv_freq.astype(np.float32)
+        mixed = (inv / factor) * (1 - extrapolation) + inv * extrapolation
+        return mixed.astype(np.float32), float(attention_factor)
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float):
+    """positions int [..., T] -> (cos, sin) float32 [..., T, D] in the rotate_half layout."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, D] with cos/sin [B, T, D] -> rotated x (computed in float32, cast back)."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention over an explicit mask.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K.
+      mask: bool [B, T, S], True where query t may see key s.
+
+    Returns:
+      [B, T, H, D]. A query with no visible key gets zeros (safe softmax), not NaN.
+    """
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    visible = mask[:, None, None, :, :]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    weights = jnp.where(visible, weights, 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v)
+    return out.reshape(b, t, h, d)
+
+
+class Attention(nnx.Module):
+    """Projections of a Llama / Qwen2 / Qwen3 attention layer (q/k/v bias, per-head q/k norm).
+
+    The attention core is :func:`attend`, so the target and the drafter (whose keys also come
+    from injected context features) share every weight layout.
+    """
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.q_proj = Linear(d, h * hd, names=("embed", "q_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.o_proj = Linear(h * hd, d, names=("q_heads", "embed"), dtype=dtype, rngs=rngs, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+
+    def queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """x [B, T, d] -> rotated queries [B, T, H, D]."""
+        q = self.q_proj(x).reshape(*x.shape[:2], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def keys_values(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [B, T, d] -> (rotated keys, values), each [B, T, K, D]."""
+        k = self.k_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    def output(self, attended: jax.Array) -> jax.Array:
+        """[B, T, H, D] -> [B, T, d]."""
+        return self.o_proj(attended.reshape(*attended.shape[:2], self.num_heads * self.head_dim))

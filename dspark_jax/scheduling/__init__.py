@@ -1,0 +1,27 @@
+"""Verification-length scheduling: static baselines, Algorithm 1, async global search."""
+
+from dspark_jax.scheduling.policies import (
+    expected_throughput,
+    fixed_lengths,
+    full_block_lengths,
+    global_search_capacity,
+    prefix_schedule,
+    production_schedule,
+    survivals,
+    threshold_lengths,
+    throughput_curve,
+    top_k_prefix_schedule,
+)
+
+__all__ = [
+    "expected_throughput",
+    "fixed_lengths",
+    "full_block_lengths",
+    "global_search_capacity",
+    "prefix_schedule",
+    "production_schedule",
+    "survivals",
+    "threshold_lengths",
+    "throughput_curve",
+    "top_k_prefix_schedule",
+]

@@ -1,0 +1,246 @@
+"""The loaded target model: config, tokenizer and parameters, and how to load and export it.
+
+``load_target(source)`` accepts a registered name (``smollm2-135m-instruct``), a Hugging Face
+folder, a GGUF file or an Orbax folder written by ``Target.save_orbax``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from dspark_jax.checkpoints import hf, registry
+from dspark_jax.checkpoints.errors import CheckpointError
+from dspark_jax.checkpoints.gguf import GGUFFile
+from dspark_jax.config import model_config_from_hf, model_config_to_hf
+from dspark_jax.models.decoder import Decoder
+from dspark_jax import sharding
+
+# Target checkpoints keep transformers' names: "model." prefix, lm_head outside it.
+HF_PREFIX = "model."
+HF_OVERRIDES = {("lm_head",): "lm_head.weight"}
+HF_TRANSPOSED = (("lm_head",),)
+ORBAX_MARKER = "dspark_target.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def default_dtype():
+    """float32 on CPU (XLA's CPU bfloat16 matmuls are slow), bfloat16 on TPU/GPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+class Target:
+    """A loaded target decoder.
+
+    Attributes:
+      config: FrozenConfigDict with Hugging Face field names (vocab_size, hidden_size, ...).
+      tokenizer: transformers tokenizer with the chat template, or None.
+      graphdef, state: the split NNX model (``nnx.merge(graphdef, state)`` inside jit).
+      hf_config: the config.json dict the model came from.
+    """
+
+    def __init__(self, config, state: nnx.State, graphdef, tokenizer=None, hf_config=None,
+                 name: str = ""):
+        self.config = config
+        self.state = state
+        self.graphdef = graphdef
+        self.tokenizer = tokenizer
+        self.hf_config = dict(hf_config or model_config_to_hf(config))
+        self.name = name
+        self._logits_fn = jax.jit(self._logits_impl)
+
+    def __repr__(self):
+        c = self.config
+        return (f"Target({self.name or c.model_type}: {c.num_hidden_layers} layers, d={c.hidden_size}, "
+                f"V={c.vocab_size}, dtype={self.dtype.__name__ if hasattr(self.dtype, '__name__') else self.dtype})")
+
+    @property
+    def dtype(self):
+        return nnx.to_flat_state(self.state)[0][1].value.dtype
+
+    @property
+    def model(self) -> Decoder:
+        return nnx.merge(self.graphdef, self.state)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def _logits_impl(self, state, input_ids, key_valid):
+        model = nnx.merge(self.graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        return model.logits(model(input_ids, positions, key_valid=key_valid).hidden)
+
+    def check_token_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(
+                f"token id {int(ids.max() if ids.max() >= self.config.vocab_size else ids.min())} "
+                f"is outside the vocabulary of size {self.config.vocab_size} (wrong vocabulary?)")
+
+    def logits(self, input_ids, attention_mask=None) -> np.ndarray:
+        """int [B, T] -> float32 numpy logits [B, T, V].
+
+        ``attention_mask`` [B, T] (1 = real token) marks right padding; padded keys are masked.
+        """
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {ids.shape}")
+        self.check_token_ids(ids)
+        valid = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
+        return np.asarray(self._logits_fn(self.state, jnp.asarray(ids, jnp.int32), jnp.asarray(valid)))
+
+    # -- export ---------------------------------------------------------------------------
+
+    def torch_tensors(self):
+        return hf.iter_torch_tensors(self.state, prefix=HF_PREFIX, overrides=HF_OVERRIDES,
+                                     transposed=HF_TRANSPOSED)
+
+    def save_hf(self, folder: str | os.PathLike) -> Path:
+        """Writes a Hugging Face folder (config.json, safetensors, tokenizer) atomically."""
+        def write(tmp: Path):
+            hf_config = dict(self.hf_config)
+            hf_config.update(model_config_to_hf(self.config))
+            hf_config.pop("rope_parameters", None)
+            hf_config.pop("quantization_config", None)
+            hf_config["torch_dtype"] = hf_config["dtype"] = str(np.dtype(self.dtype))
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+            hf.write_safetensors(dict(self.torch_tensors()), tmp)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+        return hf.atomic_folder(folder, write)
+
+    def save_orbax(self, folder: str | os.PathLike) -> Path:
+        """Writes the parameters with Orbax plus config and tokenizer, atomically."""
+        import orbax.checkpoint as ocp
+
+        def write(tmp: Path):
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save(tmp.resolve() / "params", nnx.to_pure_dict(self.state))
+            (tmp / ORBAX_MARKER).write_text(json.dumps(
+                {"hf_config": {**self.hf_config, **model_config_to_hf(self.config)},
+                 "dtype": str(np.dtype(self.dtype))}, indent=2))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+        return hf.atomic_folder(folder, write)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def abstract_model(config, dtype):
+    """(graphdef, abstract state) of a Decoder without allocating its weights."""
+    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def init_target(hf_config: dict, *, dtype=None, seed: int = 0, tokenizer=None) -> Target:
+    """A randomly initialised target of the given config (tests, benchmarks)."""
+    config = model_config_from_hf(hf_config)
+    dtype = dtype or default_dtype()
+    graphdef, state = nnx.split(Decoder(config, dtype=dtype, rngs=nnx.Rngs(seed)))
+    return Target(config, state, graphdef, tokenizer=tokenizer, hf_config=hf_config)
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / f).exists() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _from_source(hf_config: dict, source: hf.TensorSource, dtype, tokenizer, name) -> Target:
+    config = model_config_from_hf(hf_config)
+    dtype = dtype or default_dtype()
+    graphdef, abstract = abstract_model(config, dtype)
+    count = len(nnx.to_flat_state(abstract))
+    with tqdm(total=count, desc=f"loading {name}", unit="tensor", leave=False,
+              disable=count < 8) as bar:
+        state = hf.load_params(abstract, source, prefix=HF_PREFIX, overrides=HF_OVERRIDES,
+                               transposed=HF_TRANSPOSED, dtype=dtype, progress=bar)
+    state = sharding.shard_state(state)
+    return Target(config, state, graphdef, tokenizer=tokenizer, hf_config=hf_config, name=name)
+
+
+def load_hf_folder(folder: str | os.PathLike, dtype=None) -> Target:
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{folder} has no config.json (not a Hugging Face model folder)")
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt config.json in {folder}: {e}") from e
+    model_config_from_hf(hf_config)  # architecture errors before touching the weights
+    return _from_source(hf_config, hf.SafetensorsFolder(folder), dtype, _load_tokenizer(folder),
+                        folder.name)
+
+
+def load_gguf(path: str | os.PathLike, dtype=None) -> Target:
+    gguf = GGUFFile(path)
+    return _from_source(gguf.hf_config(), gguf, dtype, gguf.tokenizer(), Path(path).stem)
+
+
+def load_orbax(folder: str | os.PathLike, dtype=None) -> Target:
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder)
+    meta = json.loads((folder / ORBAX_MARKER).read_text())
+    config = model_config_from_hf(meta["hf_config"])
+    dtype = dtype or jnp.dtype(meta["dtype"])
+    graphdef, abstract = abstract_model(config, dtype)
+    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
+                               nnx.to_pure_dict(abstract))
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            restored = ckpt.restore(folder.resolve() / "params", target_tree)
+        except Exception as e:
+            raise CheckpointError(f"corrupt or partial Orbax checkpoint {folder}: {e}") from e
+    nnx.replace_by_pure_dict(abstract, restored)
+    return Target(config, sharding.shard_state(abstract), graphdef, tokenizer=_load_tokenizer(folder),
+                  hf_config=meta["hf_config"], name=folder.name)
+
+
+def load_registered(name: str, dtype=None) -> Target:
+    folder = registry.converted_folder(name)
+    if not (folder / "config.json").exists():
+        gguf_path = registry.registered_file(name)
+        print(f"[dspark-jax] converting {gguf_path.name} once into {folder}")
+        load_gguf(gguf_path, dtype=jnp.float32).save_hf(folder)
+    target = load_hf_folder(folder, dtype=dtype)
+    target.name = name
+    return target
+
+
+def load_target(source: str | os.PathLike, dtype=None) -> Target:
+    """Loads a target model.
+
+    Args:
+      source: a registered name (see ``dspark_jax.checkpoints.registry.REGISTRY``), a Hugging
+        Face folder (config.json + safetensors + tokenizer), a ``.gguf`` file, or an Orbax folder
+        written by ``dspark-jax convert --to orbax``.
+      dtype: parameter/compute dtype; default float32 on CPU, bfloat16 on accelerators.
+    """
+    text = str(source)
+    if text in registry.REGISTRY:
+        return load_registered(text, dtype)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path, dtype)
+    if path.is_dir() and (path / ORBAX_MARKER).exists():
+        return load_orbax(path, dtype)
+    if path.is_dir():
+        return load_hf_folder(path, dtype)
+    raise CheckpointError(
+        f"unknown model {text!r}: not a registered name ({', '.join(registry.REGISTRY)}), "
+        "a Hugging Face folder, an Orbax folder or a .gguf file")
