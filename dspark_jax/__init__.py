@@ -4,10 +4,15 @@ Public API:
   load_target(source, dtype=None) -> Target
   generate(target, prompts, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0,
            drafter=None) -> list[GenerationResult]
+  init_drafter(target, config=None, *, seed=0, dtype=None, **overrides) -> Drafter
+  load_drafter(path, target, dtype=None) -> Drafter
+  Drafter.save(path, layout="deepspec" | "dflash" | "orbax")
 """
 
 from dspark_jax.generation import GenerationResult, generate
 from dspark_jax.target import Target, load_target
+from dspark_jax.drafter import Drafter, init_drafter, load_drafter
 
-__all__ = ["GenerationResult", "Target", "generate", "load_target"]
+__all__ = ["Drafter", "GenerationResult", "Target", "generate", "init_drafter", "load_drafter",
+           "load_target"]
 __version__ = "0.1.0"

@@ -67,7 +67,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 class _Programs:
-    """Compiled decode programs, keyed by (target, shapes, static settings)."""
+    """Compiled decode programs, keyed by (model structure, parameter shardings, shapes, statics)."""
 
     def __init__(self):
         self._cache = {}
@@ -117,7 +117,9 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     params = autoregressive.SamplingParams.broadcast(batch, temperature, top_p, top_k)
     eos = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
     args = (target.graphdef, target.state, jnp.asarray(tokens), lens, jax.random.key(seed), params, eos)
-    program_key = (target.graphdef, str(target.dtype), batch, width, eos.shape[0], max_new_tokens)
+    shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(target.state))
+    program_key = (target.graphdef, str(target.dtype), shardings, batch, width, eos.shape[0],
+                   max_new_tokens)
     compiled, compile_s = _PROGRAMS.get(program_key, autoregressive.decode, *args,
                                         max_new_tokens=max_new_tokens)
     start = time.perf_counter()

@@ -25,6 +25,11 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("norm", None),
     ("head_dim", None),
+    # drafter-only axes: small, replicated
+    ("taps", None),
+    ("markov_rank", None),
+    ("head_in", None),
+    ("confidence", None),
 )
 
 
@@ -37,7 +42,10 @@ def make_mesh(shape: tuple[int, int, int] = (-1, 1, 1), devices=None) -> jax.sha
         shape[shape.index(-1)] = len(devices) // known
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh shape {tuple(shape)} does not use the {len(devices)} devices")
-    return jax.make_mesh(tuple(shape), MESH_AXES, devices=devices)
+    # Auto axes: the compiler propagates the parameter shardings through the model. (JAX's
+    # default, Explicit, would need an out_sharding on every gather and matmul of the model.)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(tuple(shape), MESH_AXES, auto, devices=devices)
 
 
 def logical_to_spec(names, shape, mesh, rules=LOGICAL_AXIS_RULES) -> PartitionSpec:

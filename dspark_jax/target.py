@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax.checkpoints import hf, registry
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.checkpoints.gguf import GGUFFile
+from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
 from dspark_jax.config import model_config_from_hf, model_config_to_hf
 from dspark_jax.models.decoder import Decoder
 from dspark_jax import sharding
@@ -58,12 +58,13 @@ class Target:
 
     def __repr__(self):
         c = self.config
-        return (f"Target({self.name or c.model_type}: {c.num_hidden_layers} layers, d={c.hidden_size}, "
-                f"V={c.vocab_size}, dtype={self.dtype.__name__ if hasattr(self.dtype, '__name__') else self.dtype})")
+        return (f"Target({self.name or c.model_type}: {c.num_hidden_layers} layers, "
+                f"d={c.hidden_size}, V={c.vocab_size}, {np.dtype(self.dtype).name})")
 
     @property
     def dtype(self):
-        return nnx.to_flat_state(self.state)[0][1].value.dtype
+        """Parameter dtype."""
+        return self.state["embed_tokens"]["embedding"].value.dtype
 
     @property
     def model(self) -> Decoder:
@@ -119,6 +120,10 @@ class Target:
                 self.tokenizer.save_pretrained(tmp)
         return hf.atomic_folder(folder, write)
 
+    def save_gguf(self, path: str | os.PathLike) -> Path:
+        """Writes a float32 GGUF file (llama.cpp layout, q/k rows permuted for Llama)."""
+        return write_gguf(self, path)
+
     def save_orbax(self, folder: str | os.PathLike) -> Path:
         """Writes the parameters with Orbax plus config and tokenizer, atomically."""
         import orbax.checkpoint as ocp
@@ -139,7 +144,11 @@ class Target:
 
 def abstract_model(config, dtype):
     """(graphdef, abstract state) of a Decoder without allocating its weights."""
-    model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    # Built outside any ``jax.set_mesh`` mesh: there flax would read the parameters' logical
+    # axis names ("vocab", "embed", ...) as mesh axes. Loaders place the parameters afterwards
+    # with sharding.shard_state, which maps logical names to mesh axes.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 

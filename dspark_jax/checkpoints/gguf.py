@@ -190,3 +190,120 @@ class GGUFFile(TensorSource):
         if template:
             tok.chat_template = template
         return tok
+
+
+# ----------------------------------------------------------------------------- writing
+
+_GGUF_NAMES = {v: k for k, v in _GLOBAL_NAMES.items()}
+_GGUF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+
+
+def gguf_name(hf_key: str) -> str:
+    """GGUF tensor name of a Hugging Face key (inverse of :func:`hf_name`)."""
+    if hf_key in _GGUF_NAMES:
+        return _GGUF_NAMES[hf_key]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_key)
+    if not m or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise CheckpointError(f"no GGUF name for tensor {hf_key!r}")
+    return f"blk.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (inverse of :func:`unpermute`)."""
+    half = weight.shape[0] // num_heads // 2
+    return (weight.reshape(num_heads, 2, half, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _pre_tokenizer_name(backend_json: dict) -> str:
+    """The tokenizer.ggml.pre value that reproduces a byte-level pre-tokenizer."""
+    text = str(backend_json.get("pre_tokenizer"))
+    if "Digits" in text and "'individual_digits': True" in text:
+        return "smollm"
+    for name, split in _SPLITS.items():
+        if split in text:
+            return name
+    return "default"
+
+
+def _tokenizer_fields(tokenizer) -> dict:
+    """tokens, token types, merges and special ids of a byte-level BPE tokenizer."""
+    import json
+
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = backend["model"]
+    if model.get("type") != "BPE":
+        raise CheckpointError(f"GGUF export needs a byte-level BPE tokenizer, not {model.get('type')!r}")
+    vocab = dict(model["vocab"])
+    for added in backend.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {a["id"] for a in backend.get("added_tokens", []) if a.get("special")}
+    user = {a["id"] for a in backend.get("added_tokens", []) if not a.get("special")}
+    types = [3 if i in special else 4 if i in user else 1 for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return dict(tokens=tokens, types=types, merges=merges, pre=_pre_tokenizer_name(backend))
+
+
+def write_gguf(target, path: str | os.PathLike) -> Path:
+    """Writes a loaded target as a float32 GGUF file (atomically: temp file, then rename)."""
+    import gguf
+
+    cfg = target.config
+    if cfg.model_type not in ARCHITECTURES:
+        raise CheckpointError(f"GGUF export does not support {cfg.model_type!r}")
+    if cfg.rope_scaling.get("rope_type", "default") != "default":
+        raise CheckpointError("GGUF export supports only unscaled rope")
+    if target.tokenizer is None:
+        raise CheckpointError("GGUF export needs the target's tokenizer")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer.add_name(target.name or arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    fields = _tokenizer_fields(target.tokenizer)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(fields["pre"])
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["types"])
+    writer.add_token_merges(fields["merges"])
+    tok = target.tokenizer
+    for token_id, add in ((tok.bos_token_id, writer.add_bos_token_id),
+                          (tok.eos_token_id, writer.add_eos_token_id),
+                          (tok.unk_token_id, writer.add_unk_token_id),
+                          (tok.pad_token_id, writer.add_pad_token_id)):
+        if token_id is not None:
+            add(int(token_id))
+    writer.add_add_bos_token(False)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+    for key, tensor in target.torch_tensors():
+        tensor = tensor.astype(np.float32)
+        if arch == "llama" and ".q_proj.weight" in key:
+            tensor = permute(tensor, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj.weight" in key:
+            tensor = permute(tensor, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name(key), tensor)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    os.replace(tmp, path)
+    return path

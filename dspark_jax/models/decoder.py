@@ -124,6 +124,8 @@ class Decoder(nnx.Module):
                 slots = jnp.broadcast_to(jnp.arange(cache.num_slots), (tokens.shape[0], cache.num_slots))
                 mask = causal_mask(positions, slots)
 
+        requested = tuple(tap_layer_ids)
+        tap_layer_ids = tuple(dict.fromkeys(requested))  # a layer fills one slot: dedupe
         tap_slot = np.full((num_layers,), -1, np.int32)
         for slot, layer_id in enumerate(tap_layer_ids):
             if layer_id >= 0:
@@ -158,5 +160,7 @@ class Decoder(nnx.Module):
         if cache is not None:
             cache = KVCache(k_cache, v_cache)
         if taps is not None:
+            if tap_layer_ids != requested:
+                taps = taps[np.asarray([tap_layer_ids.index(i) for i in requested])]
             taps = jnp.moveaxis(taps, 0, 2).reshape(*h.shape[:2], -1)
         return DecoderOutput(self.norm(h), taps, cache)

@@ -1,0 +1,33 @@
+"""DSpark drafter for the embedded default target SmolLM2-135M-Instruct, sized to train on a CPU.
+
+Target: 30 layers, d = 576, 9 heads / 3 kv heads (head dim 64), MLP 1536, V = 49152, tied
+embeddings.
+
+* Taps 1, 8, 14, 21, 27: five layers spread like DeepSpec's (first at 1, last at L - 3), never
+  the final layer.
+* Mask: the tokenizer uses all 49152 embedding rows, so there is no spare row to borrow as
+  DeepSpec does with Qwen3's 151669; the drafter trains its own mask vector. mask_token_id
+  49151 (the last row, a rare BPE merge) is only the id written into exported checkpoints.
+* Size: 2 draft layers (3.5M parameters each) and Markov rank 64 (2 x 49152 x 64 = 6.3M) keep
+  the drafter around 15M trainable parameters. Per step the cost is dominated by the frozen
+  target forward and the full-vocabulary logits of the sampled blocks (64 anchors x 7 slots x
+  49152). Estimate, not yet measured with a training loop: with sequences of 512 tokens and
+  batch 8, a step should take a few seconds on a laptop CPU, so about a thousand steps
+  (about 4M tokens, 0.5M supervised blocks) fit in an hour.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.target = "smollm2-135m-instruct"
+    config.drafter = ml_collections.ConfigDict(dict(
+        target_layer_ids=(1, 8, 14, 21, 27), mask_token_id=49151, block_size=7, num_layers=2,
+        markov_rank=64, head="markov", confidence_head=True, confidence_head_with_markov=True,
+        trainable_mask_embedding=True, anchor_predicts=True, num_anchors=64))
+    config.train = ml_collections.ConfigDict(dict(
+        loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0,
+        learning_rate=1e-3, warmup_ratio=0.04, weight_decay=0.0, grad_clip_norm=1.0,
+        global_batch_size=8, epochs=1, max_length=512, max_steps=1000))
+    return config

@@ -1,0 +1,336 @@
+"""Drafter checkpoints: DeepSpec DSpark/DFlash folders, z-lab DFlash folders, and Orbax.
+
+Layouts (DSPARK_SPEC.md section 10):
+
+* ``deepspec``: a Hugging Face folder as DeepSpec's ``save_pretrained`` writes it. config.json
+  is the draft architecture's config (the target's, with ``num_hidden_layers`` = draft layers)
+  plus architectures ["<Family>DSparkModel"], block_size, mask_token_id, target_layer_ids,
+  num_target_layers, num_anchors, markov_rank, markov_head_type, enable_confidence_head,
+  confidence_head_with_markov and tie_word_embeddings false. The safetensors (single or
+  sharded) hold exactly the spec's keys, including copies of the target's ``embed_tokens`` and
+  ``lm_head`` (ignored on import: the drafter always uses its target's).
+* ``dflash``: the z-lab DFlash layout: no embed_tokens / lm_head, no heads, architectures
+  ["DFlashDraftModel"], ``dflash_config`` holding mask_token_id and target_layer_ids; only the
+  mask slots predict unless ``dflash_config.sample_from_anchor`` is true.
+* ``orbax``: the parameters saved with Orbax plus ``dspark_drafter.json`` (both configs).
+
+Extensions, written only when used: a trainable mask vector is the extra tensor
+``mask_embedding`` [d] with ``"trainable_mask_embedding": true`` (the deepspec layout also puts
+it into row mask_token_id of the exported ``embed_tokens``, so the reference reader drafts the
+same way); ``"anchor_predicts": false`` in a deepspec config marks a drafter whose anchor slot
+does not predict.
+
+Every mismatch with the target raises :class:`CheckpointError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from dspark_jax.checkpoints import hf
+from dspark_jax.checkpoints.errors import CheckpointError
+from dspark_jax.config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
+from dspark_jax.drafter_config import DEEPSPEC_HEAD_TYPES, check_fit, drafter_config
+from dspark_jax.models.drafter import DrafterModel
+
+LAYOUTS = ("deepspec", "dflash", "orbax")
+ORBAX_MARKER = "dspark_drafter.json"
+MASK_KEY = "mask_embedding"
+OVERRIDES = {("mask_embedding",): MASK_KEY}
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+ZLAB_ARCHITECTURE = "DFlashDraftModel"
+
+
+# ----------------------------------------------------------------------------- model config
+
+
+def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenConfigDict:
+    """The draft layers' architecture: the target's config with ``num_layers`` layers."""
+    fields = target_config.as_configdict().to_dict()
+    fields["num_hidden_layers"] = int(num_layers)
+    return ml_collections.FrozenConfigDict(fields)
+
+
+def abstract_drafter(model_cfg, cfg, dtype):
+    """(graphdef, abstract state) of a DrafterModel without allocating it."""
+    return nnx.split(nnx.eval_shape(lambda: DrafterModel(model_cfg, cfg, dtype=dtype,
+                                                         rngs=nnx.Rngs(0))))
+
+
+def check_target_fit(model_cfg, cfg, target_config, *, num_target_layers=None) -> None:
+    """Raises CheckpointError when a drafter cannot run on the target."""
+    if model_cfg.hidden_size != target_config.hidden_size:
+        raise CheckpointError(
+            f"the drafter's hidden size {model_cfg.hidden_size} does not match the target's "
+            f"hidden size {target_config.hidden_size}")
+    if model_cfg.vocab_size != target_config.vocab_size:
+        raise CheckpointError(
+            f"the drafter's vocabulary size {model_cfg.vocab_size} does not match the target's "
+            f"vocabulary size {target_config.vocab_size}")
+    if num_target_layers is not None and int(num_target_layers) != target_config.num_hidden_layers:
+        raise CheckpointError(
+            f"the drafter was trained for a target with {num_target_layers} layers "
+            f"(num_target_layers) but the target has {target_config.num_hidden_layers}")
+    check_fit(cfg, target_config, error=CheckpointError)
+
+
+def _family_config(hf_config: dict, target_config) -> ml_collections.FrozenConfigDict:
+    """Reads the draft architecture from a drafter config.json (any ``architectures`` name)."""
+    model_type = hf_config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        model_type = target_config.model_type
+    fields = dict(hf_config, architectures=[MODEL_TYPES[model_type]], model_type=model_type)
+    fields.pop("dflash_config", None)
+    try:
+        return model_config_from_hf(fields)
+    except ValueError as e:
+        raise CheckpointError(f"drafter config.json: {e}") from e
+
+
+def _require(hf_config: dict, key: str, where: str = "config.json"):
+    if key not in hf_config:
+        raise CheckpointError(f"drafter {where} lacks the field {key!r}")
+    return hf_config[key]
+
+
+def parse_hf_config(hf_config: dict, target_config):
+    """(layout, draft model config, drafter config, num_target_layers) of a config.json."""
+    model_cfg = _family_config(hf_config, target_config)
+    trainable = bool(hf_config.get("trainable_mask_embedding", False))
+    try:
+        if "dflash_config" in hf_config:
+            dflash = hf_config["dflash_config"] or {}
+            cfg = drafter_config(
+                block_size=hf_config.get("block_size", dflash.get("block_size", 16)),
+                num_layers=model_cfg.num_hidden_layers, markov_rank=0, head="none",
+                target_layer_ids=_require(dflash, "target_layer_ids", "dflash_config"),
+                mask_token_id=dflash.get("mask_token_id", hf_config.get("mask_token_id")),
+                trainable_mask_embedding=trainable, confidence_head=False,
+                anchor_predicts=bool(dflash.get("sample_from_anchor", False)))
+            return "dflash", model_cfg, cfg, hf_config.get("num_target_layers")
+        rank = int(hf_config.get("markov_rank", 0))
+        head_type = hf_config.get("markov_head_type", "vanilla")
+        heads = {v: k for k, v in DEEPSPEC_HEAD_TYPES.items()}
+        if rank > 0 and head_type not in heads:
+            raise CheckpointError(f"unsupported markov_head_type {head_type!r}; supported: "
+                                  f"{', '.join(heads)}")
+        cfg = drafter_config(
+            block_size=_require(hf_config, "block_size"),
+            num_layers=model_cfg.num_hidden_layers, markov_rank=rank,
+            head=heads[head_type] if rank > 0 else "none",
+            target_layer_ids=_require(hf_config, "target_layer_ids"),
+            mask_token_id=_require(hf_config, "mask_token_id"),
+            trainable_mask_embedding=trainable,
+            confidence_head=bool(hf_config.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(hf_config.get("confidence_head_with_markov", rank > 0)),
+            anchor_predicts=bool(hf_config.get("anchor_predicts", True)),
+            num_anchors=hf_config.get("num_anchors", 512))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"invalid drafter config.json: {e}") from e
+    return "deepspec", model_cfg, cfg, hf_config.get("num_target_layers")
+
+
+def hf_config_for(layout: str, model_cfg, cfg, target_config) -> dict:
+    """The config.json of a drafter in the ``deepspec`` or ``dflash`` layout."""
+    out = model_config_to_hf(model_cfg)
+    out["tie_word_embeddings"] = False
+    out["num_target_layers"] = target_config.num_hidden_layers
+    if cfg.trainable_mask_embedding:
+        out["trainable_mask_embedding"] = True
+    if layout == "dflash":
+        out["architectures"] = [ZLAB_ARCHITECTURE]
+        out["block_size"] = cfg.block_size
+        out["dflash_config"] = dict(mask_token_id=cfg.mask_token_id,
+                                    target_layer_ids=list(cfg.target_layer_ids))
+        if cfg.anchor_predicts:
+            out["dflash_config"]["sample_from_anchor"] = True
+        return out
+    out.update(
+        architectures=[f"{FAMILY_NAMES[model_cfg.model_type]}DSparkModel"],
+        block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+        target_layer_ids=list(cfg.target_layer_ids), num_anchors=cfg.num_anchors,
+        markov_rank=cfg.markov_rank,
+        markov_head_type=DEEPSPEC_HEAD_TYPES.get(cfg.head, "vanilla"),
+        enable_confidence_head=cfg.confidence_head,
+        confidence_head_with_markov=cfg.confidence_head_with_markov)
+    if not cfg.anchor_predicts:
+        out["anchor_predicts"] = False
+    return out
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def drafter_tensors(layout: str, cfg, state: nnx.State, target_state: nnx.State | None,
+                    target_config):
+    """{torch key: numpy array} of a drafter in the ``deepspec`` or ``dflash`` layout.
+
+    The deepspec layout adds the target's embedding and LM head (read from ``target_state``).
+    """
+    tensors = dict(hf.iter_torch_tensors(state, prefix="", overrides=OVERRIDES))
+    if layout == "deepspec":
+        flat = {tuple(str(p) for p in path): v.value for path, v in nnx.to_flat_state(target_state)}
+        embed = np.array(jax.device_get(flat[("embed_tokens", "embedding")]))
+        head = (embed if target_config.tie_word_embeddings
+                else np.asarray(jax.device_get(flat[("lm_head",)])).T)
+        if cfg.trainable_mask_embedding:
+            embed[cfg.mask_token_id] = tensors[MASK_KEY].astype(embed.dtype)
+        tensors["embed_tokens.weight"] = np.ascontiguousarray(embed)
+        tensors["lm_head.weight"] = np.ascontiguousarray(head)
+    return tensors
+
+
+def tensor_shapes(layout: str, cfg, state: nnx.State, target_config) -> dict[str, tuple[int, ...]]:
+    """{torch key: torch-layout shape} that ``drafter_tensors`` writes, from a (possibly
+    abstract, ``nnx.eval_shape``) drafter state: the names without allocating the weights."""
+    shapes = {}
+    for path, var in hf._flat_params(state).items():
+        shape = tuple(var.value.shape)
+        layered = path[0] == "layers"
+        per_layer = shape[1:] if layered else shape
+        if hf.is_transposed(path):
+            per_layer = per_layer[::-1]
+        for i in range(shape[0] if layered else 1):
+            shapes[hf.torch_key(path, i if layered else None, "", OVERRIDES)] = per_layer
+    if layout == "deepspec":
+        vocab_by_hidden = (target_config.vocab_size, target_config.hidden_size)
+        shapes["embed_tokens.weight"] = shapes["lm_head.weight"] = vocab_by_hidden
+    return shapes
+
+
+def _check_heads(cfg, source: hf.TensorSource) -> None:
+    keys = set(source.keys())
+    has_markov = any(k.startswith("markov_head.") for k in keys)
+    has_confidence = any(k.startswith("confidence_head.") for k in keys)
+    if cfg.markov_rank > 0 and not has_markov:
+        raise CheckpointError(
+            f"the config declares a {cfg.head!r} Markov head of rank {cfg.markov_rank} "
+            "(markov_rank) but the checkpoint has no markov_head.* tensors")
+    if cfg.markov_rank == 0 and has_markov:
+        raise CheckpointError("the checkpoint has markov_head.* tensors but the config has "
+                              "markov_rank 0 (no Markov head)")
+    if cfg.confidence_head and not has_confidence:
+        raise CheckpointError("the config enables the confidence head (enable_confidence_head) "
+                              "but the checkpoint has no confidence_head.* tensors")
+    if cfg.trainable_mask_embedding and MASK_KEY not in keys:
+        raise CheckpointError("the config declares a trainable mask embedding but the checkpoint "
+                              f"has no {MASK_KEY!r} tensor")
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def detect_layout(folder: str | os.PathLike) -> str:
+    """'orbax', 'dflash' or 'deepspec' for a drafter folder."""
+    folder = Path(folder)
+    if (folder / ORBAX_MARKER).exists():
+        return "orbax"
+    config = folder / "config.json"
+    if not config.exists():
+        raise CheckpointError(f"{folder} is not a drafter checkpoint (no config.json or {ORBAX_MARKER})")
+    return "dflash" if "dflash_config" in _read_json(config) else "deepspec"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt {path.name} in {path.parent}: {e}") from e
+
+
+def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.State,
+         target_state: nnx.State | None, target_config) -> Path:
+    """Writes a drafter folder atomically in one of ``LAYOUTS``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if layout == "dflash" and (cfg.markov_rank > 0 or cfg.confidence_head):
+        raise CheckpointError(
+            "the dflash layout has no Markov or confidence head; this drafter has "
+            f"head={cfg.head!r}, confidence_head={cfg.confidence_head}: use layout='deepspec'")
+    dtype = str(np.dtype(nnx.to_flat_state(state)[0][1].value.dtype))
+
+    def write(tmp: Path):
+        if layout == "orbax":
+            import orbax.checkpoint as ocp
+
+            with ocp.StandardCheckpointer() as ckpt:
+                ckpt.save(tmp.resolve() / "params", nnx.to_pure_dict(state))
+            meta = dict(drafter_config=_plain(cfg), model_config=model_config_to_hf(model_cfg),
+                        num_target_layers=target_config.num_hidden_layers, dtype=dtype)
+            (tmp / ORBAX_MARKER).write_text(json.dumps(meta, indent=2))
+            return
+        hf_config = hf_config_for(layout, model_cfg, cfg, target_config)
+        hf_config["torch_dtype"] = hf_config["dtype"] = dtype
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        hf.write_safetensors(drafter_tensors(layout, cfg, state, target_state, target_config), tmp)
+
+    return hf.atomic_folder(folder, write)
+
+
+def _plain(cfg) -> dict:
+    fields = cfg.as_configdict().to_dict()
+    fields["target_layer_ids"] = list(fields["target_layer_ids"])
+    return fields
+
+
+def load(folder: str | os.PathLike, target_config, dtype=None):
+    """Reads any drafter layout; returns (model_cfg, cfg, graphdef, state).
+
+    ``dtype`` is the parameter dtype (default: float32 for Hugging Face folders, the saved
+    dtype for Orbax folders).
+
+    Raises:
+      CheckpointError: unreadable folder, or a drafter that does not fit the target (hidden
+        size, vocabulary, tapped layer ids, number of target layers) or lacks declared heads.
+    """
+    folder = Path(folder)
+    layout = detect_layout(folder)
+    if layout == "orbax":
+        return _load_orbax(folder, target_config, dtype)
+    _, model_cfg, cfg, num_target_layers = parse_hf_config(_read_json(folder / "config.json"),
+                                                          target_config)
+    check_target_fit(model_cfg, cfg, target_config, num_target_layers=num_target_layers)
+    source = hf.SafetensorsFolder(folder)
+    _check_heads(cfg, source)
+    dtype = dtype or jnp.float32
+    graphdef, abstract = abstract_drafter(model_cfg, cfg, dtype)
+    state = hf.load_params(abstract, source, prefix="", overrides=OVERRIDES, dtype=dtype)
+    return model_cfg, cfg, graphdef, state
+
+
+def _load_orbax(folder: Path, target_config, dtype):
+    import orbax.checkpoint as ocp
+
+    meta = _read_json(folder / ORBAX_MARKER)
+    try:
+        model_cfg = model_config_from_hf(meta["model_config"])
+        cfg = drafter_config(**meta["drafter_config"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"invalid {ORBAX_MARKER} in {folder}: {e}") from e
+    check_target_fit(model_cfg, cfg, target_config, num_target_layers=meta.get("num_target_layers"))
+    dtype = dtype or jnp.dtype(meta["dtype"])
+    graphdef, abstract = abstract_drafter(model_cfg, cfg, dtype)
+    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
+                               nnx.to_pure_dict(abstract))
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            restored = ckpt.restore(folder.resolve() / "params", target_tree)
+        except Exception as e:
+            raise CheckpointError(f"corrupt or partial Orbax drafter checkpoint {folder}: {e}") from e
+    nnx.replace_by_pure_dict(abstract, restored)
+    return model_cfg, cfg, graphdef, abstract
+
+
+__all__ = ["LAYOUTS", "abstract_drafter", "check_target_fit", "detect_layout",
+           "draft_model_config", "drafter_tensors", "hf_config_for", "load", "parse_hf_config",
+           "save"]

@@ -1,0 +1,82 @@
+"""The ``dspark-jax`` command: thin wrappers that parse, call the library and print."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
+
+
+def _dtype(name):
+    import jax.numpy as jnp
+
+    return None if DTYPES[name] is None else jnp.dtype(DTYPES[name])
+
+
+def cmd_generate(args) -> int:
+    from dspark_jax import generate, load_target
+
+    target = load_target(args.model, dtype=_dtype(args.dtype))
+    prompts = args.prompt or ["Explain speculative decoding in two sentences."]
+    results = generate(target, prompts, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                       seed=args.seed)
+    for prompt, result in zip(prompts, results):
+        print(f">>> {prompt}\n{result.text}\n")
+    stats = results[0].stats
+    new_tokens = sum(r.stats["new_tokens"] for r in results)
+    print(f"[{target.name}] {new_tokens} new tokens for {len(results)} prompt(s) in "
+          f"{stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
+          f"(compile {stats['compile_s']:.1f} s, {stats['steps']} decode steps)")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from dspark_jax import load_target
+
+    target = load_target(args.model, dtype=_dtype(args.dtype))
+    save = {"hf": target.save_hf, "orbax": target.save_orbax, "gguf": target.save_gguf}[args.to]
+    path = save(args.output)
+    print(f"wrote {args.to} checkpoint of {target.name} to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer prompts with the target model")
+    gen.add_argument("--model", default="smollm2-135m-instruct",
+                     help="registered name, Hugging Face folder, .gguf file or Orbax folder")
+    gen.add_argument("--prompt", action="append", help="a user message (repeat for a batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=DTYPES, default="auto")
+    gen.set_defaults(func=cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert between GGUF, HF folder and Orbax")
+    conv.add_argument("--model", required=True,
+                      help="registered name, Hugging Face folder, .gguf file or Orbax folder")
+    conv.add_argument("--to", choices=("hf", "orbax", "gguf"), required=True)
+    conv.add_argument("--output", required=True,
+                      help="folder (hf, orbax) or .gguf file to write, replaced atomically")
+    conv.add_argument("--dtype", choices=DTYPES, default="auto")
+    conv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:  # bad input: a clear message, no traceback
+        print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The semi-autoregressive block sampler (DSPARK_SPEC.md section 7.3, paper Eqs. 5-7).
+
+The backbone gives every proposal slot of a block its hidden state h_k and base logits
+lm_head(h_k) in one parallel pass; the sequential head then walks the slots left to right in
+ONE ``jax.lax.scan``: logits_k = base_k + bias(prev_{k-1} ...), the row is processed by
+temperature / top-k / top-p exactly as every other sampler of the project
+(:func:`dspark_jax.decoding.sampling.sample`), a token is drawn (argmax when greedy) and becomes
+the next step's previous token. The probability row q_k each token was drawn from is returned
+for the rejection sampler, together with the confidence logit of the slot.
+
+Temperature, top-p, top-k and the PRNG key are traced arrays: changing them never recompiles.
+Step k draws with ``jax.random.fold_in(key, k)``.
+
+Shapes: b rows, P proposal slots, d hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decoding.sampling import sample
+from dspark_jax.models.heads import ConfidenceHead, MarkovHead
+
+
+class BlockSample(NamedTuple):
+    tokens: jax.Array  # int32 [b, P] drafted tokens
+    probs: jax.Array  # float32 [b, P, V] the exact row q_k each token was sampled from
+    confidence: jax.Array | None  # float32 [b, P] confidence logits (None without the head)
+
+
+def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | None,
+                 confidence_with_markov: bool, hidden: jax.Array, base_logits: jax.Array,
+                 anchor_tokens: jax.Array, key: jax.Array, temperature: jax.Array | float = 1.0,
+                 top_p: jax.Array | float = 1.0, top_k: jax.Array | int = 0) -> BlockSample:
+    """Samples one block of draft tokens.
+
+    Args:
+      head: the sequential head (None: no bias, the DFlash baseline).
+      confidence_head: the confidence head or None.
+      confidence_with_markov: the confidence head reads [h_k; W1[prev_k]] (else h_k alone).
+      hidden: [b, P, d] hidden states of the proposal slots.
+      base_logits: [b, P, V] lm_head(hidden) (float32).
+      anchor_tokens: int [b], the previous token of slot 0.
+      key: PRNG key.
+      temperature, top_p, top_k: scalars or [b] arrays (see ``sampling.sampling_probs``).
+
+    Returns:
+      BlockSample(tokens [b, P], probs [b, P, V], confidence [b, P] or None).
+    """
+    batch = anchor_tokens.shape[0]
+    state = (jnp.zeros((batch, 0), jnp.float32) if head is None else head.init_state((batch,)))
+
+    def step(carry, xs):
+        state, prev = carry
+        index, h, base = xs
+        logits = base.astype(jnp.float32)
+        if head is not None:
+            state, bias = head.step(state, prev, h)
+            logits = logits + bias
+        tokens, probs = sample(jax.random.fold_in(key, index), logits, temperature, top_p, top_k)
+        if confidence_head is None:
+            confidence = jnp.zeros((batch,), jnp.float32)
+        else:
+            confidence = confidence_head(
+                h, head.prev_embedding(prev) if confidence_with_markov else None)
+        return (state, tokens), (tokens, probs, confidence)
+
+    xs = (jnp.arange(hidden.shape[1]), jnp.moveaxis(hidden, 1, 0), jnp.moveaxis(base_logits, 1, 0))
+    _, (tokens, probs, confidence) = jax.lax.scan(
+        step, (state, anchor_tokens.astype(jnp.int32)), xs)
+    return BlockSample(tokens.T, jnp.moveaxis(probs, 0, 1),
+                       None if confidence_head is None else confidence.T)
+
+
+def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array, key: jax.Array,
+                 temperature: jax.Array | float = 1.0, top_p: jax.Array | float = 1.0,
+                 top_k: jax.Array | int = 0) -> BlockSample:
+    """Samples the proposals of blocks drafted by ``DrafterModel.draft``.
+
+    Args:
+      drafter: a ``DrafterModel``; target: the target ``Decoder`` (its LM head).
+      hidden: [b, B, d] the block's hidden states; slots from ``drafter.first_proposal_slot``
+        on are the proposals (P = B or B - 1).
+      anchor_tokens: int [b]; key, temperature, top_p, top_k as in :func:`sample_block`.
+    """
+    proposal = hidden[:, drafter.first_proposal_slot:]
+    return sample_block(head=drafter.markov_head, confidence_head=drafter.confidence_head,
+                        confidence_with_markov=drafter.cfg.confidence_head_with_markov,
+                        hidden=proposal, base_logits=target.logits(proposal),
+                        anchor_tokens=anchor_tokens, key=key, temperature=temperature,
+                        top_p=top_p, top_k=top_k)

@@ -1,0 +1,317 @@
+"""The DSpark parallel drafting backbone (paper Eqs. 2-3, DSPARK_SPEC.md sections 3, 4, 7).
+
+``DrafterModel`` holds only the drafter's own parameters: the context projection (``fc``,
+``hidden_norm``), the stacked draft decoder layers (the target family's
+:class:`~dspark_jax.models.decoder.DecoderLayer`, so Qwen3 drafters get q/k norms), the final
+``norm``, an optional trained mask vector, the sequential head and the confidence head. The
+embedding and LM head stay the target's: every method that needs them takes the target
+:class:`~dspark_jax.models.decoder.Decoder` as an argument, so they are never copied and never
+trained.
+
+A draft layer attends from the block to the concatenation of keys/values projected from the
+context features (no input norm on them) and from the block itself; inside a block attention is
+bidirectional. Two entry points share one layer loop:
+
+* :meth:`DrafterModel.draft` (inference): new context features are projected, their K/V
+  (k_norm'd, RoPE'd) written into a draft KV cache at slot == position, and the block
+  [anchor, MASK x (B - 1)] attends to cached slots < anchor position plus itself.
+* :meth:`DrafterModel.forward_train` (training, teacher forcing): N anchors per sequence at
+  once; block j sees context keys strictly before its anchor (same segment when packing) and
+  only its own block.
+
+Shapes: b rows, S context length (or cache slots), C new context tokens, N anchors per row,
+B block size, P proposal slots, m taps, d hidden size, V vocabulary, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models.decoder import Decoder, DecoderLayer, stacked
+from dspark_jax.models.heads import ConfidenceHead, block_bias, make_head
+from dspark_jax.models.kv_cache import KVCache, write_layer
+from dspark_jax.models.layers import Linear, RMSNorm, _param, attend, rope_cos_sin, rope_frequencies
+
+
+class DraftOutput(NamedTuple):
+    hidden: jax.Array  # [b, B, d] final-normed hidden states of the block
+    cache: KVCache  # draft context cache with the new context K/V written
+
+
+class TrainOutput(NamedTuple):
+    hidden: jax.Array  # [b, N, B, d] final-normed draft hidden states
+    prev: jax.Array  # int32 [b, N, B] teacher-forced previous token of each slot
+    labels: jax.Array  # int32 [b, N, B] token each slot predicts
+    eval_mask: jax.Array  # bool [b, N, B] contiguous valid prefix of each kept block
+    logits: jax.Array | None  # float32 [b, N, B, V] base + sequential-head bias
+    confidence: jax.Array | None  # float32 [b, N, B] confidence logits
+
+
+def block_attention_mask(*, anchors: jax.Array, keep: jax.Array, context_len: int, block_size: int,
+                         segment_ids: jax.Array | None = None) -> jax.Array:
+    """The training attention mask (spec 4.4).
+
+    Args:
+      anchors: int [b, N] anchor index of each block in the context.
+      keep: bool [b, N]; dummy blocks (False) see nothing (their rows give zeros).
+      context_len: S.
+      block_size: B.
+      segment_ids: optional int [b, S] for packed rows: a block also needs the context key to
+        be in its anchor's segment.
+
+    Returns:
+      bool [b, N*B, S + N*B]: query (block j, slot k) sees context key s when s < anchor_j
+      (and same segment), and every key of block j.
+    """
+    num_blocks = anchors.shape[1]
+    q_block = jnp.arange(num_blocks * block_size) // block_size  # [N*B]
+    q_anchor = anchors[:, q_block]  # [b, N*B]
+    context = jnp.arange(context_len)[None, None, :] < q_anchor[:, :, None]
+    if segment_ids is not None:
+        anchor_segment = jnp.take_along_axis(segment_ids, anchors, axis=1)[:, q_block]
+        context &= segment_ids[:, None, :] == anchor_segment[:, :, None]
+    same_block = q_block[:, None] == q_block[None, :]
+    same_block = jnp.broadcast_to(same_block, (anchors.shape[0],) + same_block.shape)
+    return jnp.concatenate([context, same_block], axis=-1) & keep[:, q_block][:, :, None]
+
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int,
+                   segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Up to N anchors per row, uniformly without replacement, sorted (spec 4.1).
+
+    Position i is a candidate when loss_mask[i] and loss_mask[i + 1] (and both are in the same
+    segment). Returns (anchors int32 [b, N], keep bool [b, N]); unused slots are anchor 0 with
+    keep False.
+    """
+    mask = loss_mask.astype(bool)
+    candidate = mask[:, :-1] & mask[:, 1:]
+    if segment_ids is not None:
+        candidate &= segment_ids[:, :-1] == segment_ids[:, 1:]
+    rank = jnp.where(candidate, jax.random.uniform(key, candidate.shape), 2.0)
+    order = jnp.argsort(rank, axis=1).astype(jnp.int32)
+    pad = max(num_anchors - order.shape[1], 0)
+    order = jnp.pad(order, ((0, 0), (0, pad)))[:, :num_anchors]
+    count = jnp.minimum(candidate.sum(axis=1), num_anchors)
+    keep = jnp.arange(num_anchors)[None, :] < count[:, None]
+    big = jnp.iinfo(jnp.int32).max
+    anchors = jnp.sort(jnp.where(keep, order, big), axis=1)
+    return jnp.where(keep, anchors, 0), keep
+
+
+class DrafterModel(nnx.Module):
+    """The drafter's parameters and forward passes.
+
+    Args:
+      model_cfg: the draft layers' architecture, a target-style config (``config.py``) whose
+        ``num_hidden_layers`` is the number of draft layers.
+      cfg: the drafter config (``drafter_config.py``).
+    """
+
+    def __init__(self, model_cfg, cfg, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        d = model_cfg.hidden_size
+        self.fc = Linear(len(cfg.target_layer_ids) * d, d, names=("taps", "embed"), dtype=dtype,
+                         rngs=rngs)
+        self.hidden_norm = RMSNorm(d, model_cfg.rms_norm_eps, dtype=dtype)
+        self.layers = stacked(lambda r: DecoderLayer(model_cfg, dtype=dtype, rngs=r),
+                              cfg.num_layers, rngs)
+        self.norm = RMSNorm(d, model_cfg.rms_norm_eps, dtype=dtype)
+        self.mask_embedding = (_param(rngs, (d,), dtype, ("embed",))
+                               if cfg.trainable_mask_embedding else None)
+        self.markov_head = make_head(cfg.head, vocab=model_cfg.vocab_size, rank=cfg.markov_rank,
+                                     hidden_size=d, dtype=dtype, rngs=rngs)
+        self.confidence_head = (
+            ConfidenceHead(hidden_size=d, rank=cfg.markov_rank if cfg.confidence_head_with_markov else 0,
+                           dtype=dtype, rngs=rngs)
+            if cfg.confidence_head else None)
+
+    # -- pieces --------------------------------------------------------------------------------
+
+    @property
+    def first_proposal_slot(self) -> int:
+        """0 when the anchor slot predicts (DeepSpec), 1 when only mask slots do (z-lab DFlash)."""
+        return 0 if self.cfg.anchor_predicts else 1
+
+    def context(self, taps: jax.Array) -> jax.Array:
+        """Context features (Eq. 2): taps [..., m*d] -> hidden_norm(fc(taps)) [..., d]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def rope(self, positions: jax.Array):
+        """int [b, T] -> (cos, sin) [b, T, D] with the draft config's rope."""
+        cfg = self.model_cfg
+        inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                           cfg.max_position_embeddings)
+        return rope_cos_sin(positions, inv_freq, scale)
+
+    def mask_vector(self, target: Decoder) -> jax.Array:
+        """The mask-slot embedding [d]: the trained vector or the target's row mask_token_id."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding.value
+        return target.embed_tokens(jnp.asarray(self.cfg.mask_token_id))
+
+    def block_embeddings(self, target: Decoder, anchor_tokens: jax.Array,
+                         keep: jax.Array | None = None) -> jax.Array:
+        """[anchor, MASK x (B - 1)] embeddings: int [...] -> [..., B, d] (all MASK where not keep)."""
+        anchor = target.embed(anchor_tokens)
+        mask = jnp.broadcast_to(self.mask_vector(target).astype(anchor.dtype), anchor.shape)
+        if keep is not None:
+            anchor = jnp.where(keep[..., None], anchor, mask)
+        rest = jnp.broadcast_to(mask[..., None, :], anchor.shape[:-1] + (self.cfg.block_size - 1,
+                                                                         anchor.shape[-1]))
+        return jnp.concatenate([anchor[..., None, :], rest], axis=-2)
+
+    def init_cache(self, batch: int, slots: int, dtype=None) -> KVCache:
+        """An empty draft context cache [num_layers, batch, slots, K, D]."""
+        cfg = self.model_cfg
+        dtype = dtype or self.fc.kernel.value.dtype
+        return KVCache.zeros(self.cfg.num_layers, batch, slots, cfg.num_key_value_heads,
+                             cfg.head_dim, dtype)
+
+    def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask, cache=None, ctx_slots=None):
+        """The draft layers over a block and its context.
+
+        Args:
+          h: [b, T, d] block embeddings; cos/sin [b, T, D] at the block positions.
+          ctx: [b, C, d] projected context features; ctx_cos/ctx_sin [b, C, D].
+          mask: bool [b, T, K_ctx + T]; K_ctx = C without a cache, = slots with one.
+          cache: optional draft cache; the context K/V are written at ``ctx_slots`` [b, C]
+            and the block attends over all cache slots instead of the C new entries.
+
+        Returns:
+          (final-normed hidden [b, T, d], updated cache or None).
+        """
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def step(h, xs):
+            state, k_cache, v_cache = xs
+            layer = nnx.merge(graphdef, state)
+            attn = layer.self_attn
+            k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)
+            if k_cache is not None:
+                k_ctx = k_cache = write_layer(k_cache, k_ctx, ctx_slots)
+                v_ctx = v_cache = write_layer(v_cache, v_ctx, ctx_slots)
+            x = layer.input_layernorm(h)
+            k_block, v_block = attn.keys_values(x, cos, sin)
+            k = jnp.concatenate([k_ctx.astype(k_block.dtype), k_block], axis=1)
+            v = jnp.concatenate([v_ctx.astype(v_block.dtype), v_block], axis=1)
+            h = h + attn.output(attend(attn.queries(x, cos, sin), k, v, mask))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            return h, (k_cache, v_cache)
+
+        caches = (None, None) if cache is None else (cache.k, cache.v)
+        h, (k_cache, v_cache) = jax.lax.scan(step, h, (layer_state,) + caches)
+        return self.norm(h), (None if cache is None else KVCache(k_cache, v_cache))
+
+    # -- heads ---------------------------------------------------------------------------------
+
+    def logits(self, target: Decoder, hidden: jax.Array, prev: jax.Array) -> jax.Array:
+        """Teacher-forced draft logits: lm_head(hidden) + head bias(prev).
+
+        hidden [..., P, d], prev int [..., P] -> float32 [..., P, V]. Call it on chunks of
+        anchors when [N, B, V] does not fit.
+        """
+        return target.logits(hidden) + block_bias(self.markov_head, prev, hidden)
+
+    def confidence(self, hidden: jax.Array, prev: jax.Array) -> jax.Array | None:
+        """Confidence logits (Eq. 7): hidden [..., d], prev int [...] -> float32 [...] or None."""
+        if self.confidence_head is None:
+            return None
+        prev_embedding = (self.markov_head.prev_embedding(prev)
+                          if self.cfg.confidence_head_with_markov else None)
+        return self.confidence_head(hidden, prev_embedding)
+
+    # -- inference -----------------------------------------------------------------------------
+
+    def draft(self, target: Decoder, *, ctx_taps: jax.Array, ctx_positions: jax.Array,
+              cache: KVCache, anchor_tokens: jax.Array, anchor_positions: jax.Array) -> DraftOutput:
+        """One draft block per row (spec 7.2), appending new context to the draft cache.
+
+        Args:
+          target: the target decoder (embedding, for the anchor and mask rows).
+          ctx_taps: [b, C, m*d] raw target taps of newly committed tokens (in tap order).
+          ctx_positions: int [b, C] their positions (= cache slots); entries at positions
+            >= cache.num_slots are padding and are dropped.
+          cache: draft cache, k/v [L_draft, b, slots, K, D]; slot s holds the projected,
+            k_norm'd and RoPE'd context K/V of position s.
+          anchor_tokens: int [b], the last committed token of each row.
+          anchor_positions: int [b], its position; context slots < it are visible.
+
+        Returns:
+          DraftOutput(hidden [b, B, d] for block positions anchor + [0..B-1], cache with the new
+          context written; the block itself is never cached). Proposal slots are
+          ``hidden[:, first_proposal_slot:]``; their base logits are ``target.logits(...)``.
+        """
+        b = anchor_tokens.shape[0]
+        block_positions = anchor_positions[:, None] + jnp.arange(self.cfg.block_size)[None, :]
+        cos, sin = self.rope(block_positions)
+        ctx_cos, ctx_sin = self.rope(ctx_positions)
+        slots = jnp.arange(cache.num_slots)
+        visible = slots[None, None, :] < anchor_positions[:, None, None]
+        visible = jnp.broadcast_to(visible, (b, self.cfg.block_size, cache.num_slots))
+        mask = jnp.concatenate(
+            [visible, jnp.ones((b, self.cfg.block_size, self.cfg.block_size), bool)], axis=-1)
+        hidden, cache = self._run_layers(
+            self.block_embeddings(target, anchor_tokens), cos=cos, sin=sin,
+            ctx=self.context(ctx_taps), ctx_cos=ctx_cos, ctx_sin=ctx_sin, mask=mask, cache=cache,
+            ctx_slots=ctx_positions)
+        return DraftOutput(hidden, cache)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def forward_train(self, target: Decoder, *, input_ids: jax.Array, taps: jax.Array,
+                      anchors: jax.Array, keep: jax.Array, loss_mask: jax.Array,
+                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                      with_logits: bool = True) -> TrainOutput:
+        """Teacher-forced forward over many anchors per sequence (spec 4.2-4.8).
+
+        Args:
+          target: the target decoder (embedding and LM head, frozen).
+          input_ids: int [b, S]; taps: [b, S, m*d] raw target taps; loss_mask: [b, S].
+          anchors: int [b, N] sorted anchor indices; keep: bool [b, N] (False: dummy block).
+          positions: int [b, S] context positions (default 0..S-1; per segment when packing).
+          segment_ids: int [b, S] for packed rows (None: one sequence per row).
+          with_logits: also return the full [b, N, B, V] logits (else compute them in chunks
+            with :meth:`logits` from ``hidden`` and ``prev``).
+
+        Returns:
+          TrainOutput; slot k of block j predicts input_ids[anchor_j + k + 1] (DeepSpec), or
+          input_ids[anchor_j + k] for slots k >= 1 when ``anchor_predicts`` is False.
+        """
+        b, seq = input_ids.shape
+        num_blocks, block = anchors.shape[1], self.cfg.block_size
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(seq), (b, seq))
+        anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)
+        offsets = jnp.arange(block)
+        block_positions = (anchor_pos[:, :, None] + offsets).reshape(b, num_blocks * block)
+        cos, sin = self.rope(block_positions)
+        ctx_cos, ctx_sin = self.rope(positions)
+        anchor_tokens = jnp.take_along_axis(input_ids, anchors, axis=1)
+        h = self.block_embeddings(target, anchor_tokens, keep).reshape(b, num_blocks * block, -1)
+        mask = block_attention_mask(anchors=anchors, keep=keep, context_len=seq, block_size=block,
+                                    segment_ids=segment_ids)
+        hidden, _ = self._run_layers(h, cos=cos, sin=sin, ctx=self.context(taps), ctx_cos=ctx_cos,
+                                     ctx_sin=ctx_sin, mask=mask)
+        hidden = hidden.reshape(b, num_blocks, block, -1)
+
+        first = self.first_proposal_slot
+        label_index = anchors[:, :, None] + offsets + (1 - first)  # [b, N, B]
+        safe = jnp.minimum(label_index, seq - 1)
+
+        def gather(x, index):
+            return jnp.take_along_axis(x, index.reshape(b, -1), axis=1).reshape(index.shape)
+
+        labels = gather(input_ids, safe).astype(jnp.int32)
+        prev = gather(input_ids, jnp.clip(label_index - 1, 0, seq - 1)).astype(jnp.int32)
+        valid = (label_index < seq) & gather(loss_mask.astype(bool), safe) & keep[:, :, None]
+        if segment_ids is not None:
+            valid &= gather(segment_ids, safe) == jnp.take_along_axis(segment_ids, anchors, 1)[:, :, None]
+        proposal = offsets >= first
+        eval_mask = jnp.cumprod(valid | ~proposal, axis=-1).astype(bool) & proposal
+        logits = self.logits(target, hidden, prev) if with_logits else None
+        return TrainOutput(hidden, prev, labels, eval_mask, logits, self.confidence(hidden, prev))

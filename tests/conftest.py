@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+def randomize_torch_model(model, seed: int = 0) -> None:
+    """Re-initialises a transformers model so that every weight matters.
+
+    Linear / embedding weights get unit-variance activations (std 1/sqrt(fan_in)), norm weights
+    are drawn around 1 (not all ones, so the norms are tested), biases are nonzero.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+
+
+@pytest.fixture(scope="session")
+def make_hf_checkpoint():
+    """Factory: (transformers config, folder) -> the float32 torch model saved in ``folder``."""
+    def make(config, folder, seed: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                 dtype=torch.float32)
+        randomize_torch_model(model, seed)
+        model.eval()
+        model.save_pretrained(folder)
+        return model
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_config():
+    """A small Llama config (GQA, untied) as a transformers config object."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, make_hf_checkpoint, tiny_llama_config):
+    """(torch model, folder) of a tiny Llama checkpoint, written once per session.
+
+    Tests must not modify the folder; copy it first (``shutil.copytree``).
+    """
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    model = make_hf_checkpoint(tiny_llama_config, folder)
+    return model, folder
