@@ -1,17 +1,7 @@
 """DSpark drafter for Qwen3-8B: same taps as Qwen3-4B (both have 36 layers), DSPARK_SPEC.md section 2."""
 
-import ml_collections
+from dspark_jax import presets
 
 
-def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.target = "Qwen/Qwen3-8B"
-    config.drafter = ml_collections.ConfigDict(dict(
-        target_layer_ids=(1, 9, 17, 25, 33), mask_token_id=151669, block_size=7, num_layers=5,
-        markov_rank=256, head="markov", confidence_head=True, confidence_head_with_markov=True,
-        trainable_mask_embedding=False, anchor_predicts=True, num_anchors=512))
-    config.train = ml_collections.ConfigDict(dict(
-        loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0,
-        learning_rate=6e-4, warmup_ratio=0.04, weight_decay=0.0, grad_clip_norm=1.0,
-        global_batch_size=512, epochs=10, max_length=4096))
-    return config
+def get_config():
+    return presets.qwen3_dspark("Qwen/Qwen3-8B", target_layer_ids=(1, 9, 17, 25, 33))

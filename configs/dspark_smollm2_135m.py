@@ -16,18 +16,15 @@ embeddings.
   (about 4M tokens, 0.5M supervised blocks) fit in an hour.
 """
 
-import ml_collections
+from dspark_jax import presets
 
 
-def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.target = "smollm2-135m-instruct"
-    config.drafter = ml_collections.ConfigDict(dict(
-        target_layer_ids=(1, 8, 14, 21, 27), mask_token_id=49151, block_size=7, num_layers=2,
-        markov_rank=64, head="markov", confidence_head=True, confidence_head_with_markov=True,
-        trainable_mask_embedding=True, anchor_predicts=True, num_anchors=64))
-    config.train = ml_collections.ConfigDict(dict(
-        loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0,
-        learning_rate=1e-3, warmup_ratio=0.04, weight_decay=0.0, grad_clip_norm=1.0,
-        global_batch_size=8, epochs=1, max_length=512, max_steps=1000))
-    return config
+def get_config():
+    return presets.experiment(
+        "smollm2-135m-instruct",
+        drafter=dict(target_layer_ids=(1, 8, 14, 21, 27), mask_token_id=49151, block_size=7,
+                     num_layers=2, markov_rank=64, head="markov", confidence_head=True,
+                     confidence_head_with_markov=True, trainable_mask_embedding=True,
+                     anchor_predicts=True, num_anchors=64),
+        train=dict(presets.DSPARK_TRAIN, learning_rate=1e-3, global_batch_size=8, epochs=1,
+                   max_length=512, max_steps=1000))

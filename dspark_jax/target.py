@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from dspark_jax.checkpoints import hf, registry
+from dspark_jax.checkpoints import hf, orbax_params, registry
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
 from dspark_jax.config import model_config_from_hf, model_config_to_hf
@@ -126,11 +126,8 @@ class Target:
 
     def save_orbax(self, folder: str | os.PathLike) -> Path:
         """Writes the parameters with Orbax plus config and tokenizer, atomically."""
-        import orbax.checkpoint as ocp
-
         def write(tmp: Path):
-            with ocp.StandardCheckpointer() as ckpt:
-                ckpt.save(tmp.resolve() / "params", nnx.to_pure_dict(self.state))
+            orbax_params.save_params(tmp, self.state)
             (tmp / ORBAX_MARKER).write_text(json.dumps(
                 {"hf_config": {**self.hf_config, **model_config_to_hf(self.config)},
                  "dtype": str(np.dtype(self.dtype))}, indent=2))
@@ -201,22 +198,13 @@ def load_gguf(path: str | os.PathLike, dtype=None) -> Target:
 
 
 def load_orbax(folder: str | os.PathLike, dtype=None) -> Target:
-    import orbax.checkpoint as ocp
-
     folder = Path(folder)
     meta = json.loads((folder / ORBAX_MARKER).read_text())
     config = model_config_from_hf(meta["hf_config"])
     dtype = dtype or jnp.dtype(meta["dtype"])
     graphdef, abstract = abstract_model(config, dtype)
-    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
-                               nnx.to_pure_dict(abstract))
-    with ocp.StandardCheckpointer() as ckpt:
-        try:
-            restored = ckpt.restore(folder.resolve() / "params", target_tree)
-        except Exception as e:
-            raise CheckpointError(f"corrupt or partial Orbax checkpoint {folder}: {e}") from e
-    nnx.replace_by_pure_dict(abstract, restored)
-    return Target(config, sharding.shard_state(abstract), graphdef, tokenizer=_load_tokenizer(folder),
+    state = orbax_params.restore_params(folder, abstract, dtype)
+    return Target(config, sharding.shard_state(state), graphdef, tokenizer=_load_tokenizer(folder),
                   hf_config=meta["hf_config"], name=folder.name)
 
 

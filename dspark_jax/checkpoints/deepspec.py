@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from dspark_jax.checkpoints import hf
+from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
 from dspark_jax.drafter_config import DEEPSPEC_HEAD_TYPES, check_fit, drafter_config
@@ -261,10 +261,7 @@ def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.S
 
     def write(tmp: Path):
         if layout == "orbax":
-            import orbax.checkpoint as ocp
-
-            with ocp.StandardCheckpointer() as ckpt:
-                ckpt.save(tmp.resolve() / "params", nnx.to_pure_dict(state))
+            orbax_params.save_params(tmp, state)
             meta = dict(drafter_config=_plain(cfg), model_config=model_config_to_hf(model_cfg),
                         num_target_layers=target_config.num_hidden_layers, dtype=dtype)
             (tmp / ORBAX_MARKER).write_text(json.dumps(meta, indent=2))
@@ -309,8 +306,6 @@ def load(folder: str | os.PathLike, target_config, dtype=None):
 
 
 def _load_orbax(folder: Path, target_config, dtype):
-    import orbax.checkpoint as ocp
-
     meta = _read_json(folder / ORBAX_MARKER)
     try:
         model_cfg = model_config_from_hf(meta["model_config"])
@@ -320,15 +315,7 @@ def _load_orbax(folder: Path, target_config, dtype):
     check_target_fit(model_cfg, cfg, target_config, num_target_layers=meta.get("num_target_layers"))
     dtype = dtype or jnp.dtype(meta["dtype"])
     graphdef, abstract = abstract_drafter(model_cfg, cfg, dtype)
-    target_tree = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
-                               nnx.to_pure_dict(abstract))
-    with ocp.StandardCheckpointer() as ckpt:
-        try:
-            restored = ckpt.restore(folder.resolve() / "params", target_tree)
-        except Exception as e:
-            raise CheckpointError(f"corrupt or partial Orbax drafter checkpoint {folder}: {e}") from e
-    nnx.replace_by_pure_dict(abstract, restored)
-    return model_cfg, cfg, graphdef, abstract
+    return model_cfg, cfg, graphdef, orbax_params.restore_params(folder, abstract, dtype)
 
 
 __all__ = ["LAYOUTS", "abstract_drafter", "check_target_fit", "detect_layout",

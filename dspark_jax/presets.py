@@ -1,0 +1,48 @@
+"""The DeepSpec reference settings (DSPARK_SPEC.md section 2) that configs/*.py build on.
+
+A config file is ``get_config()`` returning an ml-collections ConfigDict with ``.target`` (a
+model name or path), ``.drafter`` (drafter config fields) and ``.train`` (training settings).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+# Qwen3 drafters: 5 draft layers, block 7 (anchor + 6), vanilla Markov head of rank 256, the
+# confidence head, mask token 151669 (Qwen3's first padded embedding row).
+QWEN3_DSPARK_DRAFTER = dict(
+    mask_token_id=151669, block_size=7, num_layers=5, markov_rank=256, head="markov",
+    confidence_head=True, confidence_head_with_markov=True, trainable_mask_embedding=False,
+    anchor_predicts=True, num_anchors=512)
+# The DFlash baseline is the same model without sequential or confidence head.
+DFLASH_DRAFTER_CHANGES = dict(markov_rank=0, head="none", confidence_head=False,
+                              confidence_head_with_markov=False)
+
+DSPARK_TRAIN = dict(
+    loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0,
+    learning_rate=6e-4, warmup_ratio=0.04, weight_decay=0.0, grad_clip_norm=1.0,
+    global_batch_size=512, epochs=10, max_length=4096)
+# DFlash trains with cross-entropy only.
+DFLASH_TRAIN_CHANGES = dict(ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
+
+
+def experiment(target: str, drafter: dict, train: dict) -> ml_collections.ConfigDict:
+    """An experiment config: ``.target``, ``.drafter`` and ``.train``."""
+    config = ml_collections.ConfigDict()
+    config.target = target
+    config.drafter = ml_collections.ConfigDict(dict(drafter))
+    config.train = ml_collections.ConfigDict(dict(train))
+    return config
+
+
+def qwen3_dspark(target: str, target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
+    """DeepSpec's DSpark config for a Qwen3 target."""
+    return experiment(target, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids),
+                      DSPARK_TRAIN)
+
+
+def qwen3_dflash(target: str, target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
+    """DeepSpec's DFlash baseline config for a Qwen3 target."""
+    return experiment(
+        target, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids, **DFLASH_DRAFTER_CHANGES),
+        dict(DSPARK_TRAIN, **DFLASH_TRAIN_CHANGES))
