@@ -14,21 +14,42 @@ def _dtype(name):
     return None if DTYPES[name] is None else jnp.dtype(DTYPES[name])
 
 
+def _verify_params(args) -> dict:
+    params = {}
+    if args.threshold is not None:
+        params["threshold"] = args.threshold
+    if args.gamma is not None:
+        params["gamma"] = args.gamma
+    return params
+
+
 def cmd_generate(args) -> int:
-    from dspark_jax import generate, load_target
+    from dspark_jax import generate, init_drafter, load_drafter, load_target
 
     target = load_target(args.model, dtype=_dtype(args.dtype))
+    drafter = None
+    if args.drafter == "init":
+        drafter = init_drafter(target, seed=args.seed)
+    elif args.drafter:
+        drafter = load_drafter(args.drafter, target)
     prompts = args.prompt or ["Explain speculative decoding in two sentences."]
     results = generate(target, prompts, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                       seed=args.seed)
+                       seed=args.seed, drafter=drafter, verify=args.verify,
+                       verify_params=_verify_params(args))
     for prompt, result in zip(prompts, results):
         print(f">>> {prompt}\n{result.text}\n")
+        if drafter is not None:
+            s = result.stats
+            rates = " ".join("-" if r is None else f"{r:.2f}" for r in s["accept_rate_at_k"])
+            print(f"    tau {s['tau']:.2f}, {s['rounds']} rounds, mean proposal "
+                  f"{s['proposal_len']:.2f}, verify rate {s['verify_rate']:.2f}, "
+                  f"accept rate @k {rates}\n")
     stats = results[0].stats
     new_tokens = sum(r.stats["new_tokens"] for r in results)
     print(f"[{target.name}] {new_tokens} new tokens for {len(results)} prompt(s) in "
           f"{stats['wall_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
-          f"(compile {stats['compile_s']:.1f} s, {stats['steps']} decode steps)")
+          f"(compile {stats['compile_s']:.1f} s, {stats['steps']} target steps)")
     return 0
 
 
@@ -56,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=DTYPES, default="auto")
+    gen.add_argument("--drafter", help="drafter folder (DeepSpec, z-lab DFlash or Orbax layout) "
+                     "for speculative decoding, or 'init' for an untrained one")
+    gen.add_argument("--verify", default="full",
+                     choices=("full", "fixed", "threshold", "prefix", "production"),
+                     help="verification policy (with --drafter)")
+    gen.add_argument("--threshold", type=float, help="confidence threshold (--verify threshold)")
+    gen.add_argument("--gamma", type=int, help="drafts verified per round (--verify fixed)")
     gen.set_defaults(func=cmd_generate)
 
     conv = sub.add_parser("convert", help="convert between GGUF, HF folder and Orbax")

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import ml_collections
 from flax import nnx
 
+from dspark_jax import sharding
 from dspark_jax.checkpoints import deepspec
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
 from dspark_jax.models.drafter import DrafterModel
@@ -102,9 +103,10 @@ def init_drafter(target: Target, config=None, *, seed: int = 0, dtype=None, **ov
     cfg = default_drafter_config(target.config, target.tokenizer, **{**fields, **overrides})
     check_fit(cfg, target.config)
     model_cfg = deepspec.draft_model_config(target.config, cfg.num_layers)
-    model = DrafterModel(model_cfg, cfg, dtype=dtype or target.dtype, rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(model)
-    return Drafter(cfg, model_cfg, state, graphdef, target)
+    with sharding.unsharded_init():
+        model = DrafterModel(model_cfg, cfg, dtype=dtype or target.dtype, rngs=nnx.Rngs(seed))
+        graphdef, state = nnx.split(model)
+    return Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter:
@@ -114,4 +116,4 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter
       CheckpointError: unreadable folder, or a drafter that does not fit the target.
     """
     model_cfg, cfg, graphdef, state = deepspec.load(path, target.config, dtype or target.dtype)
-    return Drafter(cfg, model_cfg, state, graphdef, target)
+    return Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decoding import autoregressive
+from dspark_jax.decoding import autoregressive, speculative, verification
 from dspark_jax.target import Target
 
 MIN_PROMPT_BUCKET = 16
@@ -67,27 +67,67 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 class _Programs:
-    """Compiled decode programs, keyed by (model structure, parameter shardings, shapes, statics)."""
+    """Compiled decode programs, keyed by (model structures, parameter shardings, shapes, statics)."""
 
     def __init__(self):
         self._cache = {}
 
-    def get(self, key, fn, *args, **static):
+    def get(self, key, fn, args, static_argnums, **static):
+        """(compiled program, seconds spent compiling it now: 0 when cached)."""
         if key not in self._cache:
             start = time.perf_counter()
-            jitted = jax.jit(fn, static_argnums=(0,), static_argnames=tuple(static))
-            compiled = jitted.lower(*args, **static).compile()
-            self._cache[key] = (compiled, time.perf_counter() - start)
-            return compiled, self._cache[key][1]
-        return self._cache[key][0], 0.0
+            jitted = jax.jit(fn, static_argnums=static_argnums, static_argnames=tuple(static))
+            self._cache[key] = jitted.lower(*args, **static).compile()
+            return self._cache[key], time.perf_counter() - start
+        return self._cache[key], 0.0
+
+    def clear(self):
+        """Forgets every compiled program (and JAX's trace caches, so code changes apply)."""
+        self._cache.clear()
+        jax.clear_caches()
 
 
 _PROGRAMS = _Programs()
 
 
+def _shardings(state) -> tuple:
+    return tuple(leaf.sharding for leaf in jax.tree.leaves(state))
+
+
+def _ratio(num, den):
+    return float(num) / float(den) if den else None
+
+
+def speculative_stats(stats, row: int) -> dict:
+    """Per-request statistics of a speculative run (DSPARK_SPEC.md section 7, Metrics).
+
+    tau: mean over rounds of accepted + 1 (accepted only when an accepted EOS ends the round);
+    verify_rate: accepted / (verified drafts + rounds); accept_rate_at_k[k-1]: rounds with more
+    than k-1 accepted among rounds verifying more than k-1 (prefix survival at position k);
+    conditional_acceptance[k-1]: accepted at k among rounds whose first k-1 were accepted and
+    that verified position k (paper Fig. 2). ``counters`` holds the raw sums for aggregation.
+    """
+    rounds = int(stats.rounds[row])
+    acc_ge, prop_ge, reached = (np.asarray(x[row]).tolist() for x in
+                                (stats.accepted_ge, stats.proposed_ge, stats.reached))
+    return dict(
+        rounds=rounds,
+        tau=_ratio(stats.tau_sum[row], rounds),
+        accepted=int(stats.accepted[row]),
+        proposal_len=_ratio(stats.proposed[row], rounds),
+        verify_rate=_ratio(stats.accepted[row], int(stats.proposed[row]) + rounds),
+        accept_rate_at_k=[_ratio(a, p) for a, p in zip(acc_ge, prop_ge)],
+        conditional_acceptance=[_ratio(a, r) for a, r in zip(acc_ge, reached)],
+        counters=dict(rounds=rounds, tau_sum=int(stats.tau_sum[row]),
+                      accepted=int(stats.accepted[row]), proposed=int(stats.proposed[row]),
+                      accepted_ge=acc_ge, proposed_ge=prop_ge, reached=reached),
+    )
+
+
 def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-             drafter=None) -> list[GenerationResult]:
+             drafter=None, verify="full", verify_params: dict | None = None,
+             buckets: Sequence[int] | None = None) -> list[GenerationResult]:
     """Generates continuations for a batch of prompts.
 
     Args:
@@ -96,17 +136,25 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
       max_new_tokens: at most this many new tokens per prompt (EOS included).
       temperature: 0 is greedy; top_p / top_k: nucleus and top-k truncation (1.0 / 0 disable).
       seed: PRNG seed.
-      drafter: a DSpark drafter for speculative decoding (None: autoregressive).
+      drafter: a Drafter of ``target`` for speculative decoding (None: autoregressive). The
+        output law is the target's (rejection sampling); greedy output equals greedy
+        autoregressive output.
+      verify: verification policy: "full", "fixed", "threshold", "prefix", "production" or a
+        function (see ``dspark_jax.decoding.verification``).
+      verify_params: its traced parameters, e.g. {"threshold": 0.5}, {"gamma": 2},
+        {"sps": steps_per_second_by_batch_tokens}.
+      buckets: token counts of the target's verify forward (default powers of two and P + 1).
 
     Returns:
-      One GenerationResult per prompt, in order. ``stats`` holds new_tokens, steps (target
-      forwards after prefill), compile_s (0 when the program was cached), wall_s (run time
-      without compilation) and tokens_per_s (all rows' new tokens / wall_s).
+      One GenerationResult per prompt, in order. ``stats`` holds new_tokens, prompt_tokens,
+      steps (target forwards after prefill), compile_s (0 when the program was cached),
+      wall_s (run time without compilation), tokens_per_s (all rows' new tokens / wall_s) and
+      batch; with a drafter also the speculative statistics of :func:`speculative_stats`.
     """
-    if drafter is not None:
-        raise NotImplementedError("speculative decoding (drafter=...) is not available yet")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
+    if drafter is not None and drafter.target is not target:
+        raise ValueError("the drafter was built for another target object")
     encoded = encode_prompts(target, prompts)
     batch = len(encoded)
     width = prompt_bucket(max(len(p) for p in encoded))
@@ -116,14 +164,27 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     lens = jnp.asarray([len(p) for p in encoded], jnp.int32)
     params = autoregressive.SamplingParams.broadcast(batch, temperature, top_p, top_k)
     eos = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
-    args = (target.graphdef, target.state, jnp.asarray(tokens), lens, jax.random.key(seed), params, eos)
-    shardings = tuple(leaf.sharding for leaf in jax.tree.leaves(target.state))
-    program_key = (target.graphdef, str(target.dtype), shardings, batch, width, eos.shape[0],
-                   max_new_tokens)
-    compiled, compile_s = _PROGRAMS.get(program_key, autoregressive.decode, *args,
-                                        max_new_tokens=max_new_tokens)
+    inputs = (jnp.asarray(tokens), lens, jax.random.key(seed), params, eos)
+    model_key = (target.graphdef, str(target.dtype), _shardings(target.state), batch, width,
+                 eos.shape[0], max_new_tokens)
+    if drafter is None:
+        args = (target.graphdef, target.state) + inputs
+        compiled, compile_s = _PROGRAMS.get(model_key, autoregressive.decode, args, (0,),
+                                            max_new_tokens=max_new_tokens)
+    else:
+        proposals = drafter.config.block_size - drafter.model.first_proposal_slot
+        verify_buckets = verification.verify_buckets(proposals, buckets)
+        policy_params = verification.default_params(verify, batch, proposals, verify_params)
+        args = (target.graphdef, target.state, drafter.graphdef, drafter.state) + inputs + (
+            policy_params,)
+        key = model_key + (drafter.graphdef, str(drafter.dtype), _shardings(drafter.state),
+                           verify_buckets, verify, policy_params["sps"].shape)
+        compiled, compile_s = _PROGRAMS.get(key, speculative.decode, args, (0, 2),
+                                            max_new_tokens=max_new_tokens, buckets=verify_buckets,
+                                            policy=verify)
+    dynamic = tuple(a for i, a in enumerate(args) if i not in ((0,) if drafter is None else (0, 2)))
     start = time.perf_counter()
-    out = jax.block_until_ready(compiled(*args[1:]))
+    out = jax.block_until_ready(compiled(*dynamic))
     wall = time.perf_counter() - start
     out_tokens, counts = np.asarray(out.tokens), np.asarray(out.num_generated)
     total = int(counts.sum())
@@ -133,5 +194,7 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
         text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else ""
         stats = dict(new_tokens=len(ids), prompt_tokens=len(encoded[i]), steps=int(out.steps),
                      compile_s=compile_s, wall_s=wall, tokens_per_s=total / wall, batch=batch)
+        if drafter is not None:
+            stats.update(speculative_stats(out.stats, i))
         results.append(GenerationResult(ids, text, stats))
     return results

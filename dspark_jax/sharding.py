@@ -74,6 +74,15 @@ def state_shardings(state: nnx.State, mesh, rules=LOGICAL_AXIS_RULES):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def unsharded_init():
+    """Context in which models are built without the ambient ``jax.set_mesh`` mesh.
+
+    Inside a mesh flax would read the parameters' logical axis names ("vocab", "embed", ...)
+    as mesh axes; models are built here and placed afterwards with :func:`shard_state`.
+    """
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
 def current_mesh():
     """The concrete mesh set with ``jax.set_mesh``, or None."""
     mesh = jax.sharding.get_mesh()
@@ -87,3 +96,15 @@ def shard_state(state: nnx.State, mesh=None, rules=LOGICAL_AXIS_RULES) -> nnx.St
         return state
     return jax.device_put(state, state_shardings(state, mesh, rules))
 
+
+
+def constrain_rows(x: jax.Array, axis: int = 0) -> jax.Array:
+    """Inside jit under ``jax.set_mesh``: shard ``x``'s request axis over the data axes (data
+    parallel over requests); a no-op without a mesh or when the rows do not divide evenly."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    names = [None] * x.ndim
+    names[axis] = "batch"
+    spec = logical_to_spec(names, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, spec)

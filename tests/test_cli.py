@@ -24,3 +24,11 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert cli.main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "unknown model 'no-such-model'" in err and "smollm2-135m-instruct" in err
+
+
+def test_generate_with_an_untrained_drafter(smollm2, smollm2_cache, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(smollm2_cache))
+    assert cli.main(["generate", "--prompt", "Count to five.", "--max-new-tokens", "12",
+                     "--drafter", "init", "--verify", "threshold", "--threshold", "0.4"]) == 0
+    out = capsys.readouterr().out
+    assert ">>> Count to five." in out and "tau " in out and "accept rate @k" in out

@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from dspark_jax import sharding
 from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
@@ -61,8 +62,9 @@ def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenC
 
 def abstract_drafter(model_cfg, cfg, dtype):
     """(graphdef, abstract state) of a DrafterModel without allocating it."""
-    return nnx.split(nnx.eval_shape(lambda: DrafterModel(model_cfg, cfg, dtype=dtype,
-                                                         rngs=nnx.Rngs(0))))
+    with sharding.unsharded_init():
+        return nnx.split(nnx.eval_shape(lambda: DrafterModel(model_cfg, cfg, dtype=dtype,
+                                                             rngs=nnx.Rngs(0))))
 
 
 def check_target_fit(model_cfg, cfg, target_config, *, num_target_layers=None) -> None:

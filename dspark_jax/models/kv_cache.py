@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dspark_jax import sharding
+
 
 @struct.dataclass
 class KVCache:
@@ -23,8 +25,10 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
               dtype) -> "KVCache":
+        """An empty cache; inside jit under a mesh its rows are sharded over the data axes."""
         shape = (num_layers, batch, slots, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        zeros = sharding.constrain_rows(jnp.zeros(shape, dtype), axis=1)
+        return cls(zeros, zeros)
 
     @property
     def num_slots(self) -> int:

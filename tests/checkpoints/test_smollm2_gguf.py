@@ -64,16 +64,13 @@ def texts():
 
 
 @pytest.fixture(scope="module")
-def cache_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("dspark_jax_cache")
+def cache_root(smollm2_cache):
+    return smollm2_cache
 
 
 @pytest.fixture(scope="module")
-def target(cache_root):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSPARK_JAX_CACHE", str(cache_root))
-        assert not registry.converted_folder(NAME).exists()
-        return dspark_jax.load_target(NAME)
+def target(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module")

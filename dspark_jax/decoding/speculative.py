@@ -1,0 +1,187 @@
+"""Speculative decoding of a batch inside one jitted ``lax.while_loop`` (DSPARK_SPEC.md section 7).
+
+Invariants (per row): ``anchor`` is the last committed token, at position ``anchor_pos``; the
+target and draft caches hold every committed position < anchor_pos (slot == position, stale
+slots beyond are invisible and overwritten later, so rollback is free); ``block`` is the
+drafted proposal for positions anchor_pos + 1 ... anchor_pos + P.
+
+One round:
+  1. the verification policy picks how many drafts each row verifies (n_b <= P);
+  2. the target runs on [anchor, x_1 .. x_P] truncated to the smallest bucket T >= max n_b + 1
+     (``lax.switch`` over the buckets: one program, one branch per bucket) and writes its K/V;
+  3. rejection sampling accepts a prefix of each row and draws the corrected / bonus token;
+  4. the emitted tokens (accepted + 1, cut at EOS / max_new_tokens) are appended to the output;
+  5. the drafter consumes the taps of the verified inputs [anchor, accepted] and drafts the
+     next block from the new anchor.
+
+Prompts are right-padded; positions are per row, so mixed prompt lengths decode exactly as
+alone. Shapes: b rows, W prompt width, P proposals per block, T verify bucket, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.decoding import rejection
+from dspark_jax.decoding.autoregressive import SamplingParams, is_eos
+from dspark_jax.decoding.block_sampler import sample_draft
+from dspark_jax.decoding.sampling import sample, sampling_probs
+from dspark_jax.decoding.verification import policy_lengths
+from dspark_jax.models.kv_cache import KVCache
+
+
+class SpecStats(NamedTuple):
+    """Per-row counters, accumulated over the rounds a row was active."""
+
+    rounds: jax.Array  # int32 [b]
+    tau_sum: jax.Array  # int32 [b]: accepted + 1 per round (accepted only when EOS ends it)
+    accepted: jax.Array  # int32 [b]: draft tokens accepted by the verifier
+    proposed: jax.Array  # int32 [b]: draft tokens verified (sum of n)
+    accepted_ge: jax.Array  # int32 [b, P]: rounds with accepted >= k + 1
+    proposed_ge: jax.Array  # int32 [b, P]: rounds with n >= k + 1
+    reached: jax.Array  # int32 [b, P]: rounds with n >= k + 1 and accepted >= k
+
+
+class SpecOutput(NamedTuple):
+    tokens: jax.Array  # int32 [b, N + P + 1]; entries past num_generated are padding
+    num_generated: jax.Array  # int32 [b], EOS included
+    stats: SpecStats
+    steps: jax.Array  # int32: rounds of the loop (target verify forwards after prefill)
+
+
+def _zero_stats(batch: int, proposals: int) -> SpecStats:
+    vec = jnp.zeros((batch,), jnp.int32)
+    mat = jnp.zeros((batch, proposals), jnp.int32)
+    return SpecStats(vec, vec, vec, vec, mat, mat, mat)
+
+
+def _confidences(block, batch: int, proposals: int) -> jax.Array:
+    if block.confidence is None:
+        return jnp.ones((batch, proposals), jnp.float32)
+    return jax.nn.sigmoid(block.confidence.astype(jnp.float32))
+
+
+def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
+           drafter_graphdef: nnx.GraphDef, drafter_state: nnx.State, prompts: jax.Array,
+           prompt_lens: jax.Array, key: jax.Array, params: SamplingParams, eos_ids: jax.Array,
+           policy_params: dict, *, max_new_tokens: int, buckets: tuple[int, ...],
+           policy) -> SpecOutput:
+    """Speculative decoding (jit with the keyword arguments static).
+
+    Args:
+      prompts: int32 [b, W] right-padded; prompt_lens: int32 [b] (>= 1).
+      key: PRNG key; params: per-row SamplingParams; eos_ids: int32 [E].
+      policy_params: traced parameters of ``policy`` (``verification.default_params``).
+      buckets: sorted verify token counts, the last one P + 1.
+      policy: a verification policy name or function (``verification``).
+    """
+    target = nnx.merge(target_graphdef, target_state)
+    drafter = nnx.merge(drafter_graphdef, drafter_state)
+    batch, width = prompts.shape
+    proposals = drafter.cfg.block_size - drafter.first_proposal_slot
+    top = buckets[-1]
+    assert top == proposals + 1, (buckets, proposals)
+    taps = tuple(drafter.cfg.target_layer_ids)
+    rows = jnp.arange(batch)
+    cfg = target.cfg
+    slots = width + max_new_tokens + top
+    t_cache = KVCache.zeros(cfg.num_hidden_layers, batch, slots, cfg.num_key_value_heads,
+                            cfg.head_dim, target.dtype)
+    d_cache = drafter.init_cache(batch, slots)
+
+    def propose(d_cache, ctx_taps, ctx_positions, anchor, anchor_pos, key):
+        drafted = drafter.draft(target, ctx_taps=ctx_taps, ctx_positions=ctx_positions,
+                                cache=d_cache, anchor_tokens=anchor, anchor_positions=anchor_pos)
+        block = sample_draft(drafter, target, hidden=drafted.hidden, anchor_tokens=anchor, key=key,
+                             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        return drafted.cache, block
+
+    # Prefill: target over the prompts, first token, first draft from the prompt context.
+    positions = jnp.broadcast_to(jnp.arange(width), prompts.shape)
+    out = target(prompts, positions, cache=t_cache, tap_layer_ids=taps)
+    key, k_first, k_draft = jax.random.split(key, 3)
+    first, _ = sample(k_first, target.logits(out.hidden[rows, prompt_lens - 1]),
+                      params.temperature, params.top_p, params.top_k)
+    d_cache, block = propose(d_cache, out.taps, positions, first, prompt_lens, k_draft)
+    conf = _confidences(block, batch, proposals)
+    tokens = jnp.zeros((batch, max_new_tokens + top), jnp.int32).at[:, 0].set(first)
+    done = is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    carry = dict(step=jnp.int32(0), t_cache=out.cache, d_cache=d_cache, block=block,
+                 history=jnp.stack([conf, conf]), anchor=first, anchor_pos=prompt_lens,
+                 tokens=tokens, count=jnp.ones((batch,), jnp.int32), done=done, key=key,
+                 stats=_zero_stats(batch, proposals))
+
+    def verify_branch(size):
+        def run(t_cache, verify_tokens, anchor_pos):
+            pos = anchor_pos[:, None] + jnp.arange(size)
+            o = target(verify_tokens[:, :size], pos, cache=t_cache, tap_layer_ids=taps)
+            pad = ((0, 0), (0, top - size), (0, 0))
+            return jnp.pad(target.logits(o.hidden), pad), jnp.pad(o.taps, pad), o.cache
+        return run
+
+    branches = [verify_branch(size) for size in buckets]
+
+    def cond(c):
+        return ~jnp.all(c["done"]) & (c["step"] < max_new_tokens)
+
+    def body(c):
+        active = ~c["done"]
+        block, anchor, anchor_pos, count = c["block"], c["anchor"], c["anchor_pos"], c["count"]
+        conf = _confidences(block, batch, proposals)
+        num_draft = policy_lengths(policy, conf, c["history"][0], active, policy_params)
+
+        # Verify over the smallest bucket holding the longest row.
+        bucket = jnp.searchsorted(jnp.asarray(buckets), jnp.max(num_draft) + 1)
+        verify_tokens = jnp.concatenate([anchor[:, None], block.tokens], axis=1)
+        logits, new_taps, t_cache = jax.lax.switch(bucket, branches, c["t_cache"], verify_tokens,
+                                                   anchor_pos)
+        target_probs = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
+        key, k_verify, k_draft = jax.random.split(c["key"], 3)
+        verdict = rejection.rejection_sample(k_verify, block.tokens, block.probs, target_probs,
+                                             num_draft)
+        accepted = verdict.num_accepted
+
+        # Emit accepted + next token, cut after the first EOS and at max_new_tokens.
+        emitted = jnp.concatenate([block.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+        emitted = emitted.at[rows, accepted].set(verdict.next_token)  # [b, P + 1]
+        index = jnp.arange(top)
+        eos_at = jnp.where(is_eos(emitted, eos_ids) & (index <= accepted[:, None]), index, top)
+        first_eos = jnp.min(eos_at, axis=1)
+        ended_by_eos = first_eos < accepted  # an accepted draft token was EOS
+        emit = jnp.minimum(jnp.minimum(accepted, first_eos) + 1, max_new_tokens - count)
+        emit = jnp.where(active, emit, 0)
+        tokens = c["tokens"].at[rows[:, None], count[:, None] + index].set(emitted, mode="drop")
+        new_count = count + emit
+        done = c["done"] | (active & ((first_eos < emit) | (new_count >= max_new_tokens)))
+
+        # Statistics over the rows active this round.
+        act = active.astype(jnp.int32)
+        ks = jnp.arange(1, proposals + 1)
+        s = c["stats"]
+        stats = SpecStats(
+            rounds=s.rounds + act,
+            tau_sum=s.tau_sum + act * jnp.where(ended_by_eos, first_eos + 1, accepted + 1),
+            accepted=s.accepted + act * accepted,
+            proposed=s.proposed + act * num_draft,
+            accepted_ge=s.accepted_ge + act[:, None] * (accepted[:, None] >= ks),
+            proposed_ge=s.proposed_ge + act[:, None] * (num_draft[:, None] >= ks),
+            reached=s.reached + act[:, None] * ((num_draft[:, None] >= ks)
+                                                & (accepted[:, None] >= ks - 1)))
+
+        # Commit: new anchor after the accepted prefix; draft the next block.
+        new_anchor = jnp.where(active, verdict.next_token, anchor)
+        new_pos = jnp.where(active, anchor_pos + accepted + 1, anchor_pos)
+        ctx_positions = anchor_pos[:, None] + index
+        d_cache, block = propose(c["d_cache"], new_taps, ctx_positions, new_anchor, new_pos, k_draft)
+        conf = _confidences(block, batch, proposals)
+        return dict(step=c["step"] + 1, t_cache=t_cache, d_cache=d_cache, block=block,
+                    history=jnp.stack([c["history"][1], conf]), anchor=new_anchor,
+                    anchor_pos=new_pos, tokens=tokens, count=new_count, done=done, key=key,
+                    stats=stats)
+
+    final = jax.lax.while_loop(cond, body, carry)
+    return SpecOutput(final["tokens"], final["count"], final["stats"], final["step"])

@@ -1,0 +1,87 @@
+"""Verification policies: how many draft tokens each request verifies this round.
+
+One interface for every policy: ``lengths = policy_lengths(policy, confidences, lagged, active,
+params)``, all inside the jitted decode loop. ``confidences`` are the per-step confidence
+probabilities c_k = sigmoid(z_k) of the current block (1 when the drafter has no confidence
+head); c_k is computed before x_k is sampled from x_{k-1} and h_k, so cutting at k uses only
+information available before the tokens it cuts. ``lagged`` are the confidences of two rounds
+earlier (the production scheduler's capacity search).
+
+Policies (``policy`` is static, ``params`` are traced arrays):
+
+* ``"full"``: verify the whole block.
+* ``"fixed"``: verify ``params["gamma"]`` tokens (gamma 1 is the MTP-1 analogue).
+* ``"threshold"``: the reference's static truncation (``params["threshold"]``; <= 0 keeps all).
+* ``"prefix"``: Algorithm 1 against the steps/s table ``params["sps"]`` (see
+  :mod:`dspark_jax.scheduling`).
+* ``"production"``: the Sec. 5.2 variant (capacity from the lagged confidences).
+* a callable ``fn(confidences, lagged, active, params) -> int32 [b]``: the hook for any other
+  scheduler; it must be a hashable, pure JAX function.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+from dspark_jax import scheduling
+
+POLICIES = ("full", "fixed", "threshold", "prefix", "production")
+
+
+def default_params(policy, batch: int, proposals: int, params: dict | None = None) -> dict:
+    """Traced parameters of a policy with defaults filled in.
+
+    Defaults: gamma = block, threshold 0 (keep all), and a flat steps/s table covering every
+    possible forward size (so the scheduler admits every positive-survival token).
+    """
+    params = dict(params or {})
+    out = dict(gamma=jnp.asarray(params.pop("gamma", proposals), jnp.int32),
+               threshold=jnp.asarray(params.pop("threshold", 0.0), jnp.float32))
+    sps = params.pop("sps", None)
+    out["sps"] = (jnp.ones((batch * (proposals + 1) + 1,), jnp.float32) if sps is None
+                  else jnp.asarray(sps, jnp.float32))
+    if params:
+        raise ValueError(f"unknown verification parameter(s): {', '.join(sorted(params))}")
+    if not callable(policy) and policy not in POLICIES:
+        raise ValueError(f"unknown verification policy {policy!r}; choose one of "
+                         f"{', '.join(POLICIES)} or pass a function")
+    return out
+
+
+def policy_lengths(policy: str | Callable, confidences, lagged, active, params: dict):
+    """Draft tokens each row verifies: int32 [b] in 0..P (0 for inactive rows).
+
+    Args:
+      confidences, lagged: float [b, P] per-step confidence probabilities (now / two rounds ago).
+      active: bool [b] rows still generating.
+      params: from :func:`default_params`.
+    """
+    batch, proposals = confidences.shape
+    if callable(policy):
+        lengths = policy(confidences, lagged, active, params)
+    elif policy == "full":
+        lengths = scheduling.full_block_lengths(batch, proposals, active)
+    elif policy == "fixed":
+        lengths = scheduling.fixed_lengths(batch, proposals, params["gamma"], active)
+    elif policy == "threshold":
+        lengths = scheduling.threshold_lengths(confidences, params["threshold"], active)
+    elif policy == "prefix":
+        lengths = scheduling.prefix_schedule(confidences, params["sps"], active)
+    else:
+        lengths = scheduling.production_schedule(confidences, lagged, params["sps"], active)
+    return jnp.where(active, jnp.clip(lengths, 0, proposals), 0).astype(jnp.int32)
+
+
+def verify_buckets(proposals: int, buckets: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Token counts of the target's verify forward (anchor + drafts), sorted.
+
+    Default: powers of two below ``proposals + 1`` plus ``proposals + 1`` itself, e.g. (1, 2, 4,
+    8) for 7 proposals. A round verifies with the smallest bucket that holds its longest row.
+    """
+    top = proposals + 1
+    if buckets is None:
+        buckets = tuple(1 << i for i in range(top.bit_length()) if (1 << i) < top)
+    buckets = tuple(sorted({int(b) for b in buckets if 0 < int(b) <= top} | {top}))
+    return buckets

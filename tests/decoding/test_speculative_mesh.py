@@ -1,0 +1,52 @@
+"""The speculative engine on meshes of 8 simulated CPU devices gives the single-device output.
+
+The device count is fixed when JAX initialises, so the run happens in a subprocess started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``; it prints one JSON report.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(r'''
+    import json
+    import jax
+    import dspark_jax
+    from dspark_jax import sharding
+    from dspark_jax.target import init_target
+
+    assert len(jax.devices()) == 8
+    CONFIG = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=8, eos_token_id=3)
+    PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12], [17], [30, 31]]
+
+    def run():
+        target = init_target(CONFIG, seed=1)
+        drafter = dspark_jax.init_drafter(target, seed=2)
+        out = dspark_jax.generate(target, PROMPTS, max_new_tokens=16, drafter=drafter)
+        spec = getattr(target.state["layers"]["self_attn"]["q_proj"]["kernel"].value.sharding, "spec", None)
+        dspec = getattr(drafter.state["layers"]["mlp"]["up_proj"]["kernel"].value.sharding, "spec", None)
+        return [r.token_ids for r in out], str(spec), str(dspec)
+
+    report = {"single": run()}
+    for shape in [(1, 1, 8), (2, 1, 4)]:
+        with jax.set_mesh(sharding.make_mesh(shape)):
+            report[str(shape)] = run()
+    print(json.dumps(report))
+''')
+
+
+def test_greedy_on_meshes_equals_single_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    single_tokens = report.pop("single")[0]
+    for shape, (tokens, target_spec, drafter_spec) in report.items():
+        assert tokens == single_tokens, shape
+        assert "tensor" in target_spec and "tensor" in drafter_spec, (shape, target_spec, drafter_spec)

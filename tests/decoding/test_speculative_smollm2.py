@@ -1,0 +1,33 @@
+"""Greedy speculative decoding on the real SmolLM2-135M-Instruct equals greedy autoregressive
+decoding token for token, on prompts of the shared eval sets (untrained drafter)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dspark_jax
+
+DATA = Path(__file__).parents[2].parent / "shared" / "data" / "eval"
+
+
+def first_turns():
+    texts = []
+    for name in ("gsm8k.jsonl", "humaneval.jsonl", "mt-bench.jsonl"):
+        path = DATA / name
+        if not path.exists():
+            pytest.skip(f"evaluation prompts {path} are absent")
+        with path.open() as f:
+            texts.append(json.loads(next(f))["turns"][0])
+    return texts
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(head="none", block_size=4)])
+def test_greedy_speculative_equals_autoregressive(smollm2, overrides):
+    prompts = first_turns()
+    drafter = dspark_jax.init_drafter(smollm2, seed=0, num_layers=1, **overrides)
+    ar = dspark_jax.generate(smollm2, prompts, max_new_tokens=40)
+    sp = dspark_jax.generate(smollm2, prompts, max_new_tokens=40, drafter=drafter)
+    for a, s in zip(ar, sp):
+        assert s.token_ids == a.token_ids
+        assert s.stats["rounds"] >= 1 and s.stats["tau"] >= 1.0
