@@ -63,6 +63,21 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_prepare_data(args) -> int:
+    from dspark_jax import load_target
+    from dspark_jax.training.data import prepare_data
+
+    target = load_target(args.model, dtype=_dtype(args.dtype))
+    manifest = prepare_data(target, args.prompts, args.output, max_samples=args.max_samples,
+                            batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                            max_length=args.max_length, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            min_loss_tokens=args.min_loss_tokens, shard_size=args.shard_size)
+    print(f"{manifest['num_samples']} samples ({manifest['num_loss_tokens']} loss tokens) in "
+          f"{len(manifest['files'])} shard(s) under {args.output}; dropped {manifest['dropped']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threshold", type=float, help="confidence threshold (--verify threshold)")
     gen.add_argument("--gamma", type=int, help="drafts verified per round (--verify fixed)")
     gen.set_defaults(func=cmd_generate)
+
+    prep = sub.add_parser("prepare-data", help="regenerate answers with the target (resumable)")
+    prep.add_argument("--model", default="smollm2-135m-instruct")
+    prep.add_argument("--prompts", nargs="+", required=True,
+                      help="prompt JSONL files ({'turns': [...]} or {'prompt': ...}); never eval sets")
+    prep.add_argument("--output", required=True, help="folder for shards + manifest.json")
+    prep.add_argument("--max-samples", type=int, help="number of prompts to use (default: all)")
+    prep.add_argument("--batch-size", type=int, default=8)
+    prep.add_argument("--max-new-tokens", type=int, default=512)
+    prep.add_argument("--max-length", type=int, default=4096)
+    prep.add_argument("--temperature", type=float, default=0.7)
+    prep.add_argument("--top-p", type=float, default=0.8)
+    prep.add_argument("--top-k", type=int, default=20)
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--min-loss-tokens", type=int, default=14)
+    prep.add_argument("--shard-size", type=int, default=1024, help="prompts per shard")
+    prep.add_argument("--dtype", choices=DTYPES, default="auto")
+    prep.set_defaults(func=cmd_prepare_data)
 
     conv = sub.add_parser("convert", help="convert between GGUF, HF folder and Orbax")
     conv.add_argument("--model", required=True,

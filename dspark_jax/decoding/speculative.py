@@ -116,11 +116,18 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                  stats=_zero_stats(batch, proposals))
 
     def verify_branch(size):
+        """Target forward over the first ``size`` verify tokens; outputs padded to ``top``.
+
+        The cache is only read here: the new K/V come back and are written after the switch,
+        so no branch returns (and copies) the whole cache."""
         def run(t_cache, verify_tokens, anchor_pos):
             pos = anchor_pos[:, None] + jnp.arange(size)
-            o = target(verify_tokens[:, :size], pos, cache=t_cache, tap_layer_ids=taps)
-            pad = ((0, 0), (0, top - size), (0, 0))
-            return jnp.pad(target.logits(o.hidden), pad), jnp.pad(o.taps, pad), o.cache
+            o = target(verify_tokens[:, :size], pos, cache=t_cache, tap_layer_ids=taps,
+                       write_cache=False)
+            pad = [(0, 0), (0, top - size), (0, 0)]
+            kv_pad = [(0, 0)] * 2 + [(0, top - size)] + [(0, 0)] * 2
+            return (jnp.pad(target.logits(o.hidden), pad), jnp.pad(o.taps, pad),
+                    tuple(jnp.pad(x, kv_pad) for x in o.new_kv))
         return run
 
     branches = [verify_branch(size) for size in buckets]
@@ -137,8 +144,9 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         # Verify over the smallest bucket holding the longest row.
         bucket = jnp.searchsorted(jnp.asarray(buckets), jnp.max(num_draft) + 1)
         verify_tokens = jnp.concatenate([anchor[:, None], block.tokens], axis=1)
-        logits, new_taps, t_cache = jax.lax.switch(bucket, branches, c["t_cache"], verify_tokens,
-                                                   anchor_pos)
+        logits, new_taps, new_kv = jax.lax.switch(bucket, branches, c["t_cache"], verify_tokens,
+                                                  anchor_pos)
+        t_cache = c["t_cache"].write(*new_kv, anchor_pos[:, None] + jnp.arange(top))
         target_probs = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
         key, k_verify, k_draft = jax.random.split(c["key"], 3)
         verdict = rejection.rejection_sample(k_verify, block.tokens, block.probs, target_probs,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.models.kv_cache import KVCache, write_layer
+from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, rope_cos_sin,
                                       rope_frequencies)
 
@@ -27,7 +27,8 @@ from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param
 class DecoderOutput(NamedTuple):
     hidden: jax.Array  # [B, T, d] after the final norm
     taps: jax.Array | None  # [B, T, m*d] raw outputs of the tapped layers, in tap order
-    cache: KVCache | None
+    cache: KVCache | None  # the cache with the new entries written (write_cache=True)
+    new_kv: tuple | None = None  # (k, v) [L, B, T, K, D] of the new tokens (write_cache=False)
 
 
 class DecoderLayer(nnx.Module):
@@ -96,17 +97,22 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, cache: KVCache | None = None,
                  key_valid: jax.Array | None = None, mask: jax.Array | None = None,
-                 tap_layer_ids: tuple[int, ...] = ()) -> DecoderOutput:
+                 tap_layer_ids: tuple[int, ...] = (), write_cache: bool = True) -> DecoderOutput:
         """Runs the decoder on ``tokens`` at ``positions``.
 
         Args:
           tokens: int [B, T].
-          positions: int [B, T]; with a cache these are also the slots written.
-          cache: optional KV cache; when given, the new keys/values are written at
-            ``positions`` and queries attend over all S slots (slot s visible when s <= pos).
+          positions: int [B, T]; with a cache they must be consecutive per row, starting at
+            the row's committed length, and are also the slots written.
+          cache: optional KV cache; when given, queries attend over the committed slots
+            (s < positions[:, 0]) and causally over the new tokens, and the new keys/values are
+            written at ``positions`` afterwards (one scatter, so the cache is never copied).
           key_valid: bool [B, T], only without a cache: keys that may be attended to.
-          mask: bool [B, T, S] overriding the default causal mask (e.g. segment ids).
+          mask: bool [B, T, T] overriding the default causal mask without a cache (e.g. segment
+            ids for packed rows).
           tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
+          write_cache: with a cache, False returns the new entries in ``new_kv`` instead of
+            writing them (the caller writes them later, e.g. outside a ``lax.switch``).
 
         Returns:
           DecoderOutput(hidden [B, T, d], taps [B, T, m*d] or None, cache).
@@ -118,11 +124,11 @@ class Decoder(nnx.Module):
         h = self.embed(tokens)
         cos, sin = self.rope(positions)
         if mask is None:
-            if cache is None:
-                mask = causal_mask(positions, positions, key_valid)
-            else:
-                slots = jnp.broadcast_to(jnp.arange(cache.num_slots), (tokens.shape[0], cache.num_slots))
-                mask = causal_mask(positions, slots)
+            mask = causal_mask(positions, positions, key_valid)
+        if cache is not None:
+            committed = jnp.arange(cache.num_slots)[None, None, :] < positions[:, :1, None]
+            committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
+            mask = jnp.concatenate([committed, mask], axis=-1)
 
         requested = tuple(tap_layer_ids)
         tap_layer_ids = tuple(dict.fromkeys(requested))  # a layer fills one slot: dedupe
@@ -143,24 +149,25 @@ class Decoder(nnx.Module):
             layer = nnx.merge(graphdef, state)
             x = layer.input_layernorm(h)
             q = layer.self_attn.queries(x, cos, sin)
-            k, v = layer.self_attn.keys_values(x, cos, sin)
+            k_new, v_new = layer.self_attn.keys_values(x, cos, sin)
+            k, v = k_new, v_new
             if k_cache is not None:
-                k = k_cache = write_layer(k_cache, k, positions)
-                v = v_cache = write_layer(v_cache, v, positions)
+                k = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
+                v = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
             h = h + layer.self_attn.output(attend(q, k, v, mask))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if taps is not None:
                 slot = tap_slot[index]
                 taps = jax.lax.cond(slot >= 0, lambda t: t.at[slot].set(h), lambda t: t, taps)
-            return (h, taps), (k_cache, v_cache)
+            return (h, taps), (k_new, v_new) if k_cache is not None else None
 
         layer_caches = (None, None) if cache is None else (cache.k, cache.v)
-        (h, taps), (k_cache, v_cache) = jax.lax.scan(
+        (h, taps), new_kv = jax.lax.scan(
             step, (h, taps), (layer_state, jnp.arange(num_layers)) + layer_caches)
-        if cache is not None:
-            cache = KVCache(k_cache, v_cache)
+        if cache is not None and write_cache:
+            cache, new_kv = cache.write(*new_kv, positions), None
         if taps is not None:
             if tap_layer_ids != requested:
                 taps = taps[np.asarray([tap_layer_ids.index(i) for i in requested])]
             taps = jnp.moveaxis(taps, 0, 2).reshape(*h.shape[:2], -1)
-        return DecoderOutput(self.norm(h), taps, cache)
+        return DecoderOutput(self.norm(h), taps, cache if write_cache else None, new_kv)

@@ -34,6 +34,13 @@ class KVCache:
     def num_slots(self) -> int:
         return self.k.shape[2]
 
+    def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> "KVCache":
+        """Scatters new entries of every layer: k_new, v_new [L, B, T, K, D] at slots
+        ``positions`` int [B, T] (positions >= S are dropped); in place inside a loop carry."""
+        rows = jnp.arange(positions.shape[0])[:, None]
+        return KVCache(self.k.at[:, rows, positions].set(k_new.astype(self.k.dtype), mode="drop"),
+                       self.v.at[:, rows, positions].set(v_new.astype(self.v.dtype), mode="drop"))
+
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Scatters new entries into one layer of the cache.

@@ -1,0 +1,251 @@
+"""Training data preparation: prompts in, target-regenerated conversations out (spec section 6).
+
+Each prompt (first turn of a ``{"turns": [...]}`` JSONL record, or ``{"prompt": ...}``) gets the
+target's chat template with the generation prompt; the target itself samples the answer
+(T 0.7, top-p 0.8, top-k 20 by default). A sample is the conversation's token ids with
+loss_mask = 1 on the generated answer tokens (EOS included), truncated to ``max_length``;
+samples with fewer than ``min_loss_tokens`` loss tokens are dropped.
+
+Output folder (read by ``dspark_jax.training.pipeline``):
+
+  shard_00000.npz ...  one per ``shard_size`` prompts, uncompressed, arrays
+      tokens       int32 [T]      all samples' token ids, concatenated
+      loss_mask    uint8 [T]      1 on assistant (generated) tokens
+      offsets      int64 [n + 1]  sample i is tokens[offsets[i]:offsets[i + 1]]
+      prompt_index int64 [n]      global index of the prompt each sample came from
+  manifest.json   files (name, samples, tokens, loss_tokens, prompt range), totals, dropped
+                  counts, source files, settings, prompts_done (prompts [0, prompts_done) are
+                  covered by the listed shards).
+
+Runs are resumable: every shard is written to a temporary file and renamed, then the manifest
+is rewritten the same way, so a killed run restarts after the last complete shard. Batch
+composition and sampling seeds depend only on prompt indices, so a resumed run writes the
+same data as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from dspark_jax.generation import chat_ids, generate
+from dspark_jax.target import Target
+
+MANIFEST = "manifest.json"
+FORMAT = "dspark-jax-tokens-v1"
+
+
+def read_prompts(files: Sequence[str | os.PathLike]) -> list[str]:
+    """The prompts of JSONL files, in file then line order (blank lines skipped).
+
+    A record is ``{"turns": [first, ...]}`` (the first turn is used) or ``{"prompt": text}``.
+    """
+    prompts = []
+    for file in files:
+        with open(file, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    prompts.append(_prompt_text(json.loads(line), f"{file}:{line_no}"))
+    return prompts
+
+
+def _prompt_text(record: dict, where: str) -> str:
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        return str(record["turns"][0])
+    if "prompt" in record:
+        return str(record["prompt"])
+    raise ValueError(f"{where}: expected a 'turns' list or a 'prompt' field")
+
+
+def build_sample(prompt_ids: Sequence[int], answer_ids: Sequence[int], *, max_length: int,
+                 min_loss_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(input_ids int32 [S], loss_mask uint8 [S]) of one conversation, or None when dropped.
+
+    loss_mask is 1 on the answer tokens; S = min(len(prompt) + len(answer), max_length). The
+    sample is dropped when fewer than ``min_loss_tokens`` answer tokens survive truncation.
+    """
+    ids = np.asarray(list(prompt_ids) + list(answer_ids), np.int32)[:max_length]
+    mask = np.zeros(len(ids), np.uint8)
+    mask[len(prompt_ids):] = 1
+    if int(mask.sum()) < min_loss_tokens:
+        return None
+    return ids, mask
+
+
+def batch_seed(seed: int, first_prompt: int) -> int:
+    """The sampling seed of the generation batch that starts at prompt ``first_prompt``."""
+    return int(np.random.SeedSequence([seed, first_prompt]).generate_state(1)[0])
+
+
+def _atomic_write(path: Path, write: Callable) -> None:
+    """Writes ``path`` through ``write(binary file)`` into a temporary file, then renames it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path: Path, samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> None:
+    """Writes (prompt_index, input_ids [S], loss_mask [S]) samples as one shard (format above)."""
+    lengths = [len(ids) for _, ids, _ in samples]
+    arrays = dict(
+        tokens=np.concatenate([ids for _, ids, _ in samples] or [[]]).astype(np.int32),
+        loss_mask=np.concatenate([m for _, _, m in samples] or [[]]).astype(np.uint8),
+        offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+        prompt_index=np.asarray([i for i, _, _ in samples], np.int64),
+    )
+    _atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def read_shard(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of one shard (tokens, loss_mask, offsets, prompt_index), loaded in memory."""
+    with np.load(path) as shard:
+        return {name: shard[name] for name in shard.files}
+
+
+def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> None:
+    """Atomically (re)writes ``out_dir/manifest.json``."""
+    text = json.dumps(manifest, indent=1).encode()
+    _atomic_write(Path(out_dir) / MANIFEST, lambda f: f.write(text))
+
+
+def load_manifest(data_dir: str | os.PathLike) -> dict | None:
+    """The manifest of a data folder, or None when there is none yet."""
+    path = Path(data_dir) / MANIFEST
+    if not path.exists():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _new_manifest(sources: list[dict], settings: dict) -> dict:
+    return dict(format=FORMAT, sources=sources, settings=settings, prompts_done=0, files=[],
+                num_samples=0, num_tokens=0, num_loss_tokens=0,
+                dropped=dict(empty_prompt=0, long_prompt=0, few_loss_tokens=0))
+
+
+def _resume_manifest(out_dir: Path, sources: list[dict], settings: dict) -> dict:
+    """The existing manifest when its sources and settings match; a fresh one when absent."""
+    manifest = load_manifest(out_dir)
+    if manifest is None:
+        return _new_manifest(sources, settings)
+    old_paths = [s["path"] for s in manifest["sources"]]
+    if old_paths != [s["path"] for s in sources] or manifest["settings"] != settings:
+        raise ValueError(f"{out_dir} holds data of other prompt files or settings "
+                         f"({manifest['settings']}, sources {old_paths}); use a new folder")
+    return manifest
+
+
+def _generate_batch(target: Target, prompts: Sequence[str], start: int, settings: dict,
+                    dropped: dict) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Samples of the prompts start, start + 1, ... (one generate call); counts drops."""
+    max_length, min_loss = settings["max_length"], settings["min_loss_tokens"]
+    todo = []
+    for index, text in enumerate(prompts, start):
+        if not text.strip():
+            dropped["empty_prompt"] += 1
+            continue
+        ids = chat_ids(target.tokenizer, text)
+        if len(ids) + min_loss > max_length:
+            dropped["long_prompt"] += 1
+            continue
+        todo.append((index, ids))
+    if not todo:
+        return []
+    results = generate(target, [ids for _, ids in todo], max_new_tokens=settings["max_new_tokens"],
+                       temperature=settings["temperature"], top_p=settings["top_p"],
+                       top_k=settings["top_k"], seed=batch_seed(settings["seed"], start))
+    samples = []
+    for (index, ids), result in zip(todo, results):
+        sample = build_sample(ids, result.token_ids, max_length=max_length,
+                              min_loss_tokens=min_loss)
+        if sample is None:
+            dropped["few_loss_tokens"] += 1
+        else:
+            samples.append((index, *sample))
+    return samples
+
+
+def _add_shard(manifest: dict, name: str, samples: list, start: int, stop: int) -> None:
+    tokens = sum(len(ids) for _, ids, _ in samples)
+    loss_tokens = sum(int(m.sum()) for _, _, m in samples)
+    manifest["files"].append(dict(file=name, samples=len(samples), tokens=tokens,
+                                  loss_tokens=loss_tokens, prompts=[start, stop]))
+    manifest["num_samples"] += len(samples)
+    manifest["num_tokens"] += tokens
+    manifest["num_loss_tokens"] += loss_tokens
+    manifest["prompts_done"] = stop
+
+
+def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
+                 out_dir: str | os.PathLike, *, max_samples: int | None = None,
+                 batch_size: int = 8, max_new_tokens: int = 2048, max_length: int = 4096,
+                 temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20, seed: int = 0,
+                 min_loss_tokens: int = 14, shard_size: int = 1024,
+                 progress: bool = True) -> dict:
+    """Regenerates answers to prompts with the target and writes a training data folder.
+
+    Args:
+      target: the target model, with a tokenizer (its chat template formats the prompts).
+      prompt_files: JSONL prompt files (never evaluation sets), read in order.
+      out_dir: output folder (created; an existing run there with the same files and settings
+        is resumed after its last complete shard).
+      max_samples: use only the first ``max_samples`` prompts (None: all); kept samples are
+        fewer when some are dropped. A later run with a larger value extends the data set.
+      batch_size: prompts per ``generate`` call.
+      max_new_tokens, temperature, top_p, top_k: sampling of the answers.
+      max_length: conversations are truncated to this many tokens.
+      seed: base seed; each batch samples with ``batch_seed(seed, first prompt index)``.
+      min_loss_tokens: samples with fewer answer tokens (after truncation) are dropped.
+      shard_size: prompts per shard (rounded up to a multiple of ``batch_size``).
+      progress: show a tqdm bar (prompts, with samples/s).
+
+    Returns:
+      The manifest (also in ``out_dir/manifest.json``).
+    """
+    if target.tokenizer is None:
+        raise ValueError("prepare_data needs a target with a tokenizer (chat template)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [str(Path(f).resolve()) for f in prompt_files]
+    per_file = [read_prompts([f]) for f in files]
+    prompts = [p for file_prompts in per_file for p in file_prompts]
+    sources = [dict(path=f, records=len(p)) for f, p in zip(files, per_file)]
+    shard_size = -(-shard_size // batch_size) * batch_size
+    settings = dict(target=target.name, vocab_size=int(target.config.vocab_size),
+                    batch_size=batch_size, shard_size=shard_size, max_new_tokens=max_new_tokens,
+                    max_length=max_length, temperature=temperature, top_p=top_p, top_k=top_k,
+                    seed=seed, min_loss_tokens=min_loss_tokens)
+    manifest = _resume_manifest(out, sources, settings)
+    manifest["max_samples"] = max_samples
+    total = len(prompts) if max_samples is None else min(max_samples, len(prompts))
+    bar = tqdm(total=total, initial=min(manifest["prompts_done"], total), unit="prompt",
+               desc="prepare_data", disable=not progress, dynamic_ncols=True)
+    made, started = 0, time.perf_counter()
+    for shard_start in range(manifest["prompts_done"], total, shard_size):
+        shard_stop = min(shard_start + shard_size, total)
+        samples = []
+        for start in range(shard_start, shard_stop, batch_size):
+            stop = min(start + batch_size, shard_stop)
+            batch = _generate_batch(target, prompts[start:stop], start, settings,
+                                    manifest["dropped"])
+            samples += batch
+            made += len(batch)
+            bar.update(stop - start)
+            bar.set_postfix(samples=manifest["num_samples"] + len(samples),
+                            samples_per_s=f"{made / (time.perf_counter() - started):.2f}")
+        name = f"shard_{len(manifest['files']):05d}.npz"
+        write_shard(out / name, samples)
+        _add_shard(manifest, name, samples, shard_start, shard_stop)
+        write_manifest(out, manifest)
+    bar.close()
+    write_manifest(out, manifest)
+    return manifest

@@ -1,0 +1,54 @@
+"""Train a drafter on several GPU hosts reachable over ssh: copy, install, train on every host.
+
+Host 0 is the coordinator; each host runs ``dspark-jax train`` with
+``--coordinator HOST0:PORT --num-processes N --process-id i``, which call
+``jax.distributed.initialize`` before anything touches a device.
+
+    python launch/gpu_multihost.py --hosts gpu0,gpu1 --config configs/dspark_qwen3_4b.py \
+        [--port 1234] [--dry-run] [-- --train.learning_rate=3e-4 ...]
+
+``--dry-run`` prints the rsync/ssh commands without running them. Everything after ``--`` is
+passed to ``dspark-jax train`` as config overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_DIR, install_command, run, train_command  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", required=True, help="comma-separated ssh hosts; the first coordinates")
+    p.add_argument("--port", type=int, default=1234, help="coordinator port")
+    p.add_argument("--config", required=True, help="config file, relative to the project root")
+    p.add_argument("--cuda-extra", default="jax[cuda12]", help="pip spec of JAX for the GPUs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+
+    hosts = [h for h in args.hosts.split(",") if h]
+    coordinator = f"{hosts[0].split('@')[-1]}:{args.port}"
+    for host in hosts:
+        run(["rsync", "-a", "--exclude", ".git", "--exclude", ".venv", f"{ROOT}/",
+             f"{host}:{REPO_DIR}/"], args.dry_run)
+        run(["ssh", host, install_command(args.cuda_extra)], args.dry_run)
+    for i, host in enumerate(hosts):
+        distributed = (f"--coordinator {coordinator} --num-processes {len(hosts)} "
+                       f"--process-id {i}")
+        # every host but the last runs in the background; the last one holds the terminal
+        run(["ssh", host, train_command(args.config, overrides, distributed)], args.dry_run,
+            background=i < len(hosts) - 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Train a drafter on a Cloud TPU VM or pod slice: create it, copy the project, install, train.
+
+Every host of the slice runs the same ``dspark-jax train`` command; ``--distributed`` makes each
+call ``jax.distributed.initialize()``, which discovers the slice's hosts on TPU by itself.
+
+    python launch/tpu_pod.py --name dspark --zone us-east5-a --accelerator v5p-32 \
+        --config configs/dspark_qwen3_4b.py [--dry-run] [-- --train.learning_rate=3e-4 ...]
+
+``--dry-run`` prints the gcloud commands without running them. ``--skip-create`` reuses an
+existing VM. Everything after ``--`` is passed to ``dspark-jax train`` as config overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_DIR, install_command, run, train_command  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--name", required=True, help="TPU VM name")
+    p.add_argument("--zone", required=True)
+    p.add_argument("--accelerator", default="v5p-8", help="e.g. v5p-8, v5p-32, v6e-16")
+    p.add_argument("--version", default="tpu-ubuntu2204-base", help="TPU VM software version")
+    p.add_argument("--project", help="GCP project (default: gcloud's)")
+    p.add_argument("--config", required=True, help="config file, relative to the project root")
+    p.add_argument("--spot", action="store_true", help="create a spot VM")
+    p.add_argument("--skip-create", action="store_true", help="reuse an existing VM")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+
+    gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
+    where = ["--zone", args.zone] + (["--project", args.project] if args.project else [])
+    if not args.skip_create:
+        run(gcloud + ["create", args.name, "--accelerator-type", args.accelerator,
+                      "--version", args.version] + where + (["--spot"] if args.spot else []),
+            args.dry_run)
+    run(gcloud + ["ssh", args.name, "--worker=all", "--command", f"mkdir -p ~/{REPO_DIR}"] + where,
+        args.dry_run)
+    run(gcloud + ["scp", "--recurse", "--worker=all", f"{ROOT}/pyproject.toml", f"{ROOT}/README.md",
+                  f"{ROOT}/dspark_jax", f"{ROOT}/configs", f"{args.name}:~/{REPO_DIR}/"] + where,
+        args.dry_run)
+    run(gcloud + ["ssh", args.name, "--worker=all", "--command",
+                  install_command("jax[tpu]")] + where, args.dry_run)
+    run(gcloud + ["ssh", args.name, "--worker=all", "--command",
+                  train_command(args.config, overrides, "--distributed")] + where, args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
