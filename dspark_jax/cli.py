@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
 
@@ -78,6 +79,27 @@ def cmd_prepare_data(args) -> int:
     return 0
 
 
+def cmd_train(args, overrides) -> int:
+    import jax
+
+    if args.coordinator or args.distributed:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts (tests)
+        if args.coordinator:
+            jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                       process_id=args.process_id)
+        else:
+            jax.distributed.initialize()
+    from dspark_jax.experiment import apply_overrides, load_config
+    from dspark_jax.training.trainer import train
+
+    config = load_config(args.config)
+    apply_overrides(config, overrides)
+    workdir = args.workdir or f"runs/{Path(args.config).stem}"
+    drafter = train(config, workdir)
+    print(f"trained {drafter}; checkpoints and metrics in {workdir}, drafter in {workdir}/drafter")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--dtype", choices=DTYPES, default="auto")
     prep.set_defaults(func=cmd_prepare_data)
 
+    tr = sub.add_parser("train", help="train a drafter (resumes from the workdir's checkpoints)",
+                        description="Extra arguments are config overrides: --train.max_steps=100")
+    tr.add_argument("--config", required=True, help="experiment config file (configs/*.py)")
+    tr.add_argument("--workdir", help="checkpoints, metrics.jsonl, drafter (default runs/<config>)")
+    tr.add_argument("--distributed", action="store_true",
+                    help="jax.distributed.initialize() with the platform's auto-detection (TPU pods)")
+    tr.add_argument("--coordinator", help="host:port of process 0 (multi-host GPU or CPU)")
+    tr.add_argument("--num-processes", type=int, default=1)
+    tr.add_argument("--process-id", type=int, default=0)
+    tr.set_defaults(func=cmd_train)
+
     conv = sub.add_parser("convert", help="convert between GGUF, HF folder and Orbax")
     conv.add_argument("--model", required=True,
                       help="registered name, Hugging Face folder, .gguf file or Orbax folder")
@@ -131,9 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and args.command != "train":
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        return args.func(args, extra) if args.command == "train" else args.func(args)
     except (ValueError, TypeError) as e:  # bad input: a clear message, no traceback
         print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
         return 2

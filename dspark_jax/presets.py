@@ -21,7 +21,19 @@ DFLASH_DRAFTER_CHANGES = dict(markov_rank=0, head="none", confidence_head=False,
 DSPARK_TRAIN = dict(
     loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0,
     learning_rate=6e-4, warmup_ratio=0.04, weight_decay=0.0, grad_clip_norm=1.0,
-    global_batch_size=512, epochs=10, max_length=4096)
+    global_batch_size=512, epochs=10, max_length=4096,
+    # dspark-jax's own settings (the trainer, dspark_jax/training/trainer.py):
+    data_dir=(),            # folders written by `dspark-jax prepare-data`
+    max_steps=0,            # 0: epochs * ceil(samples / global_batch_size)
+    pack_length=4096,       # tokens per packed row
+    anchors_per_row=512,    # anchor slots per packed row
+    grad_accum_steps=1,
+    anchor_chunk=32,        # anchors per chunk of full-vocabulary logits
+    mesh_shape=(-1, 1, 1),  # (data, fsdp, tensor)
+    seed=0,
+    log_every=10,
+    checkpoint_every=500,
+    keep_checkpoints=3)
 # DFlash trains with cross-entropy only.
 DFLASH_TRAIN_CHANGES = dict(ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 import grain
 import numpy as np
@@ -42,29 +43,34 @@ BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask", "anchors", "
 
 
 class ShardSource:
-    """grain RandomAccessDataSource over a prepared data folder (shards kept in memory once read).
+    """grain RandomAccessDataSource over prepared data folders (shards kept in memory once read).
 
     Record i: dict(input_ids int32 [S], loss_mask int32 [S], index int).
     """
 
-    def __init__(self, data_dir: str | os.PathLike):
-        self._dir = Path(data_dir)
-        manifest = load_manifest(self._dir)
-        if manifest is None:
-            raise FileNotFoundError(f"no manifest.json in {self._dir}: run prepare_data first")
-        self._files = [f["file"] for f in manifest["files"]]
-        self._starts = np.cumsum([0] + [f["samples"] for f in manifest["files"]])
+    def __init__(self, data_dir: str | os.PathLike | Sequence[str | os.PathLike]):
+        dirs = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else list(data_dir)
+        self._dirs = [Path(d) for d in dirs]
+        self._files: list[Path] = []
+        samples = []
+        for folder in self._dirs:
+            manifest = load_manifest(folder)
+            if manifest is None:
+                raise FileNotFoundError(f"no manifest.json in {folder}: run prepare_data first")
+            self._files += [folder / f["file"] for f in manifest["files"]]
+            samples += [f["samples"] for f in manifest["files"]]
+        self._starts = np.cumsum([0] + samples)
         self._shards: dict[int, dict[str, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def __repr__(self) -> str:
-        return f"ShardSource({str(self._dir)!r})"
+        return f"ShardSource({[str(d) for d in self._dirs]!r})"
 
     def _shard(self, shard: int) -> dict[str, np.ndarray]:
         if shard not in self._shards:
-            self._shards[shard] = read_shard(self._dir / self._files[shard])
+            self._shards[shard] = read_shard(self._files[shard])
         return self._shards[shard]
 
     def __getitem__(self, index: int) -> dict:
@@ -216,13 +222,13 @@ class PackedBatches:
         return {key: np.stack([row[key] for row in rows]) for key in BATCH_KEYS}
 
 
-def make_pipeline(data_dir: str | os.PathLike, *, batch_size: int, pack_length: int,
+def make_pipeline(data_dir: str | os.PathLike | Sequence[str | os.PathLike], *, batch_size: int, pack_length: int,
                   anchors_per_row: int, anchors_per_sequence: int, block_size: int, seed: int,
                   shard_index: int = 0, shard_count: int = 1) -> PackedBatches:
     """The packed-batch iterator of a prepared data folder (module docstring).
 
     Args:
-      data_dir: folder written by ``prepare_data``.
+      data_dir: a folder written by ``prepare_data``, or a list of them (concatenated).
       batch_size: rows per batch (per host).
       pack_length: L, tokens per row; longer sequences are truncated to L.
       anchors_per_row: N, anchor slots per row.

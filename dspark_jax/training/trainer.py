@@ -1,0 +1,173 @@
+"""The training loop: data, sharded steps, metrics, Orbax checkpoints, resume, export.
+
+``train(config, workdir)`` trains ``config.drafter`` for ``config.target`` on the folders of
+``config.train.data_dir``. Every host runs the same loop on its slice of the data
+(``jax.process_index()``); batches are assembled into global arrays over the mesh.
+
+Checkpoints (orbax CheckpointManager under ``workdir/checkpoints``, asynchronous, atomic,
+keep-last-N) hold the train state (step, fp32 parameters, optimizer state) and the data
+iterator's state; the step itself draws no random numbers (anchors are sampled by the data
+pipeline from seeded per-record generators), so restoring both continues the run exactly. The
+state is restored with the shardings of the current mesh, so a run can resume on another mesh.
+Metrics go to ``workdir/metrics.jsonl`` (and TensorBoard when ``tensorboardX`` is installed);
+the trained drafter is exported in the DeepSpec layout to ``workdir/drafter``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from tqdm.auto import tqdm
+
+from dspark_jax import sharding
+from dspark_jax.drafter import Drafter, init_drafter
+from dspark_jax.target import load_target
+from dspark_jax.training import step as train_step
+from dspark_jax.training.data import load_manifest
+from dspark_jax.training.pipeline import make_pipeline
+
+
+def _data_dirs(train_cfg) -> list[str]:
+    dirs = train_cfg.data_dir
+    dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+    if not dirs:
+        raise ValueError("config.train.data_dir is empty: run `dspark-jax prepare-data` first")
+    return dirs
+
+
+def total_steps(train_cfg) -> int:
+    """max_steps, or epochs * ceil(samples / global_batch_size) when it is 0."""
+    if train_cfg.max_steps > 0:
+        return int(train_cfg.max_steps)
+    samples = 0
+    for folder in _data_dirs(train_cfg):
+        manifest = load_manifest(folder)
+        if manifest is None:
+            raise ValueError(f"no manifest.json in {folder}: run `dspark-jax prepare-data` first")
+        samples += manifest["num_samples"]
+    return int(train_cfg.epochs * math.ceil(samples / train_cfg.global_batch_size))
+
+
+def _global_batch(batch: dict, mesh) -> dict:
+    """Host-local numpy rows -> global arrays with rows over the data axes."""
+    def put(x):
+        spec = sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1),
+                                        (x.shape[0] * jax.process_count(),) + x.shape[1:], mesh)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
+
+    return {k: put(v) for k, v in batch.items()}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class _Logger:
+    """metrics.jsonl on the first host, plus TensorBoard when tensorboardX is installed."""
+
+    def __init__(self, workdir: Path):
+        self.enabled = jax.process_index() == 0
+        self.path = workdir / "metrics.jsonl"
+        self.tb = None
+        if self.enabled:
+            try:
+                from tensorboardX import SummaryWriter
+                self.tb = SummaryWriter(str(workdir / "tensorboard"))
+            except ImportError:
+                pass
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+
+def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
+    """Trains (or resumes training) a drafter; returns it with the trained parameters.
+
+    Args:
+      config: an experiment config (``configs/*.py``): ``.target``, ``.drafter``, ``.train``.
+      workdir: checkpoints, metrics.jsonl and the exported drafter go here.
+    """
+    import orbax.checkpoint as ocp
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tcfg = config.train
+    compute_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    mesh = sharding.make_mesh(tuple(tcfg.mesh_shape))
+    with jax.set_mesh(mesh):
+        target = load_target(config.target, dtype=compute_dtype)
+        drafter = init_drafter(target, config, seed=tcfg.seed)
+    steps = total_steps(tcfg)
+    hosts = jax.process_count()
+    if tcfg.global_batch_size % hosts:
+        raise ValueError(f"global_batch_size {tcfg.global_batch_size} does not split over {hosts} hosts")
+    data = make_pipeline(_data_dirs(tcfg), batch_size=tcfg.global_batch_size // hosts,
+                         pack_length=tcfg.pack_length, anchors_per_row=tcfg.anchors_per_row,
+                         anchors_per_sequence=drafter.config.num_anchors,
+                         block_size=drafter.config.block_size, seed=tcfg.seed,
+                         shard_index=jax.process_index(), shard_count=hosts)
+    optimizer = train_step.make_optimizer(tcfg, steps)
+    state = train_step.init_train_state(drafter.state, optimizer, mesh)
+    step_fn = train_step.make_train_step(
+        drafter.graphdef, target.graphdef, tcfg, optimizer, mesh=mesh, state=state,
+        target_state=target.state, grad_accum_steps=tcfg.grad_accum_steps,
+        anchor_chunk=tcfg.anchor_chunk, compute_dtype=compute_dtype)
+    schedule = train_step.learning_rate_schedule(tcfg, steps)
+
+    manager = ocp.CheckpointManager(
+        (workdir / "checkpoints").resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints,
+                                             enable_async_checkpointing=True))
+    start = manager.latest_step() or 0
+    if start:
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(state)), data=ocp.args.JsonRestore()))
+        state = restored.state
+        data.set_state(restored.data)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+    logger = _Logger(workdir)
+    bar = tqdm(total=steps, initial=start, desc="train", unit="step",
+               disable=not progress or jax.process_index() != 0)
+    with jax.set_mesh(mesh):
+        for step in range(start, steps):
+            batch = next(data)
+            tokens = int((batch["segment_ids"] > 0).sum()) * hosts
+            began = time.perf_counter()
+            state, metrics = step_fn(state, target.state, _global_batch(batch, mesh))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            elapsed = time.perf_counter() - began
+            done = step + 1
+            record = dict(step=done, lr=float(schedule(step)), step_time_s=elapsed,
+                          tokens_per_s=tokens / elapsed, **metrics)
+            if done % tcfg.log_every == 0 or done == steps or done == start + 1:
+                logger.log(record)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                            tau=f"{metrics['tau_probabilistic']:.2f}")
+            bar.update(1)
+            if done % tcfg.checkpoint_every == 0 or done == steps:
+                manager.save(done, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())))
+    bar.close()
+    manager.wait_until_finished()
+    manager.close()
+
+    params = jax.tree.map(lambda p: p.astype(drafter.dtype), state.params)
+    trained = Drafter(drafter.config, drafter.model_config, params, drafter.graphdef, target)
+    if jax.process_index() == 0:
+        trained.save(workdir / "drafter", layout="deepspec")
+    return trained

@@ -1,0 +1,134 @@
+"""The training loop end to end on a tiny random target and synthetic data: metrics, export,
+resume after a real kill (SIGKILL), and two processes with jax.distributed."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import dspark_jax
+from dspark_jax.target import init_target
+from dspark_jax.training.data import write_manifest, write_shard
+
+TARGET = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32,
+              intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, eos_token_id=3)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny HF target folder, a synthetic data folder and a config file."""
+    root = tmp_path_factory.mktemp("train")
+    init_target(TARGET, seed=1).save_hf(root / "target")
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(24):
+        n = int(rng.integers(20, 60))
+        mask = np.zeros(n, np.int32)
+        mask[n // 3:] = 1
+        samples.append((i, rng.integers(4, 64, n).astype(np.int32), mask))
+    (root / "data").mkdir()
+    write_shard(root / "data" / "shard_00000.npz", samples)
+    write_manifest(root / "data", dict(files=[dict(file="shard_00000.npz", samples=len(samples))],
+                                       num_samples=len(samples)))
+    config = root / "tiny.py"
+    config.write_text(textwrap.dedent(f'''
+        from dspark_jax import presets
+
+        def get_config():
+            return presets.experiment(
+                {str(root / "target")!r},
+                drafter=dict(target_layer_ids=(0, 2), mask_token_id=63, block_size=4,
+                             num_layers=1, markov_rank=8, head="markov", num_anchors=4),
+                train=dict(presets.DSPARK_TRAIN, data_dir=({str(root / "data")!r},),
+                           max_steps=8, global_batch_size=2, pack_length=96,
+                           anchors_per_row=8, anchor_chunk=4, learning_rate=3e-3,
+                           log_every=1, checkpoint_every=1, keep_checkpoints=2))
+    '''))
+    return root, config
+
+
+def losses(workdir):
+    with open(workdir / "metrics.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def run_train(config, workdir, *extra, env=None):
+    return subprocess.Popen([sys.executable, "-m", "dspark_jax.cli", "train", "--config",
+                             str(config), "--workdir", str(workdir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    root, config = setup
+    proc = run_train(config, root / "full")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return root / "full"
+
+
+def test_run_logs_improves_and_exports(setup, uninterrupted):
+    root, _ = setup
+    record = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
+    assert [r["step"] for r in record] == list(range(1, 9))
+    for key in ("loss", "ce_loss", "l1_loss", "confidence_loss", "tau_probabilistic",
+                "tokens_per_s", "step_time_s", "lr"):
+        assert key in record[0]
+    assert record[-1]["loss"] < record[0]["loss"]
+    target = dspark_jax.load_target(root / "target")
+    drafter = dspark_jax.load_drafter(uninterrupted / "drafter", target)
+    assert drafter.config.block_size == 4 and drafter.config.markov_rank == 8
+
+
+def test_resume_after_kill_matches_uninterrupted(setup, uninterrupted):
+    root, config = setup
+    workdir = root / "killed"
+    proc = run_train(config, workdir)
+    deadline = time.time() + 600
+    while time.time() < deadline:  # kill as soon as step 4 is logged
+        if (workdir / "metrics.jsonl").exists() and 4 in losses(workdir):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    killed = losses(workdir)
+    proc = run_train(config, workdir)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    resumed = losses(workdir)  # later lines override: steps after the restored checkpoint
+    full = losses(uninterrupted)
+    assert set(resumed) == set(full)
+    assert max(killed) < 8
+    for step in resumed:
+        assert resumed[step] == full[step], (step, resumed[step], full[step])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_run_the_same_steps(setup):
+    root, config = setup
+    port = _free_port()
+    # One workdir for both, as on a shared filesystem: Orbax writes a checkpoint collectively.
+    procs = [run_train(config, root / "mp", "--coordinator", f"localhost:{port}",
+                       "--num-processes", "2", "--process-id", str(i), "--train.max_steps=3",
+                       env={"JAX_PLATFORMS": "cpu"})
+             for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    steps = losses(root / "mp")  # process 0 logs the global metrics
+    assert sorted(steps) == [1, 2, 3] and all(np.isfinite(v) for v in steps.values())
