@@ -11,9 +11,9 @@ embeddings.
 * Size: 2 draft layers (3.5M parameters each) and Markov rank 64 (2 x 49152 x 64 = 6.3M) keep
   the drafter around 15M trainable parameters. Per step the cost is dominated by the frozen
   target forward and the full-vocabulary logits of the sampled blocks (64 anchors x 7 slots x
-  49152). Estimate, not yet measured with a training loop: with sequences of 512 tokens and
-  batch 8, a step should take a few seconds on a laptop CPU, so about a thousand steps
-  (about 4M tokens, 0.5M supervised blocks) fit in an hour.
+  49152). Training: 4 packed rows of 512 tokens with 64 anchor slots each per step, 200 steps
+  by default (--train.max_steps to change). Whether that fits an hour on a 2-core CPU is not
+  measured yet.
 """
 
 from dspark_jax import presets
@@ -26,5 +26,6 @@ def get_config():
                      num_layers=2, markov_rank=64, head="markov", confidence_head=True,
                      confidence_head_with_markov=True, trainable_mask_embedding=True,
                      anchor_predicts=True, num_anchors=64),
-        train=dict(presets.DSPARK_TRAIN, learning_rate=1e-3, global_batch_size=8, epochs=1,
-                   max_length=512, max_steps=1000))
+        train=dict(presets.DSPARK_TRAIN, learning_rate=1e-3, global_batch_size=4, epochs=1,
+                   max_length=512, max_steps=200, pack_length=512, anchors_per_row=64,
+                   anchor_chunk=16, log_every=5, checkpoint_every=50))
