@@ -9,6 +9,14 @@ import sys
 REPO_DIR = "dspark-jax"  # where the project lands on every host (relative to $HOME)
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, the config overrides after ``--``)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def run(cmd: list[str], dry_run: bool, background: bool = False) -> None:
     """Prints the command; runs it unless ``dry_run`` (exits on failure; ``background``
     starts it and returns at once)."""

@@ -18,15 +18,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_DIR, install_command, run, train_command  # noqa: E402
+from common import REPO_DIR, install_command, run, split_overrides, train_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hosts", required=True, help="comma-separated ssh hosts; the first coordinates")
     p.add_argument("--port", type=int, default=1234, help="coordinator port")
