@@ -16,7 +16,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 

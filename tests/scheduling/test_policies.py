@@ -8,7 +8,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from dspark_jax.scheduling import (
     expected_throughput,
