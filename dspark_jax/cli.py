@@ -54,9 +54,74 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_convert(args) -> int:
-    from dspark_jax import load_target
+def cmd_demo(args) -> int:
+    from dspark_jax.demo import DEFAULT_PROMPTS, format_report, run_demo
 
+    rows = run_demo(args.model, args.drafter, args.prompt or DEFAULT_PROMPTS,
+                    max_new_tokens=args.max_new_tokens, verify=args.verify)
+    print(format_report(rows))
+    return 0
+
+
+def _drafter_labels(args) -> list[str]:
+    labels = args.label or [Path(p).name for p in args.drafter]
+    if len(labels) != len(args.drafter) or len(set(labels)) != len(labels):
+        raise ValueError(f"give one distinct --label per --drafter (got {len(labels)} label(s) "
+                         f"for {len(args.drafter)} drafter(s))")
+    return labels
+
+
+def cmd_eval(args) -> int:
+    from dspark_jax import load_drafter, load_target
+    from dspark_jax.evaluation import suite
+
+    benches = [b.strip() for b in args.bench.split(",") if b.strip()]
+    for bench in benches:
+        suite.load_benchmark(bench, args.data_dir, 1)  # fail early on names and files
+    target = load_target(args.model, dtype=_dtype(args.dtype))
+    drafters = {label: load_drafter(path, target)
+                for label, path in zip(_drafter_labels(args), args.drafter)}
+    report = suite.evaluate(target, drafters, benches, args.output, data_dir=args.data_dir,
+                            limit=args.limit, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            batch_size=args.batch_size)
+    print(suite.markdown_table(report))
+    print(f"report: {Path(args.output) / 'report.json'}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from dspark_jax.evaluation import AcceptanceTrace, calibrate, concatenate_traces
+    from dspark_jax.evaluation.calibration import save_calibration
+
+    trace = concatenate_traces([AcceptanceTrace.load(p) for p in args.traces])
+    temperatures, fit = calibrate(trace, fit_fraction=args.fit_fraction, seed=args.seed)
+    fit["traces"] = [str(p) for p in args.traces]
+    path = save_calibration(args.drafter, temperatures, fit)
+    held = fit["heldout"]
+    print(f"temperatures: {', '.join(f'{t:.3f}' for t in temperatures)}")
+    for when in ("before", "after"):
+        m = held[when]
+        print(f"{when:>6} (held-out {fit['heldout_rounds']} rounds): ECE {m['ece_mean']:.4f}  "
+              f"AUROC {m['auroc_mean']:.4f}  Brier {m['brier_mean']:.4f}")
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from dspark_jax import load_drafter, load_target
+
+    if args.drafter:
+        if args.to not in ("deepspec", "dflash", "orbax"):
+            raise ValueError(f"a drafter converts to deepspec, dflash or orbax, not {args.to!r}")
+        target = load_target(args.model)
+        drafter = load_drafter(args.drafter, target)
+        path = drafter.save(args.output, layout=args.to, dtype=_dtype(args.dtype),
+                            target_tensors=not args.compact)
+        print(f"wrote {args.to} drafter to {path}")
+        return 0
+    if args.to not in ("hf", "orbax", "gguf"):
+        raise ValueError(f"a model converts to hf, orbax or gguf, not {args.to!r}")
     target = load_target(args.model, dtype=_dtype(args.dtype))
     save = {"hf": target.save_hf, "orbax": target.save_orbax, "gguf": target.save_gguf}[args.to]
     path = save(args.output)
@@ -70,12 +135,34 @@ def cmd_prepare_data(args) -> int:
 
     target = load_target(args.model, dtype=_dtype(args.dtype))
     manifest = prepare_data(target, args.prompts, args.output, max_samples=args.max_samples,
+                            first_prompt=args.first_prompt,
                             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             max_length=args.max_length, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             min_loss_tokens=args.min_loss_tokens, shard_size=args.shard_size)
     print(f"{manifest['num_samples']} samples ({manifest['num_loss_tokens']} loss tokens) in "
           f"{len(manifest['files'])} shard(s) under {args.output}; dropped {manifest['dropped']}")
+    return 0
+
+
+def cmd_prepare_features(args) -> int:
+    import jax
+
+    from dspark_jax import sharding
+    from dspark_jax.experiment import load_config
+    from dspark_jax.target import load_target
+    from dspark_jax.training.features import config_tap_layer_ids, extract_features
+    from dspark_jax.training.trainer import compute_dtype
+
+    config = load_config(args.config)
+    with jax.set_mesh(sharding.make_mesh(tuple(config.train.mesh_shape))):
+        target = load_target(config.target, dtype=compute_dtype())
+        taps = config_tap_layer_ids(config, target)
+        manifest = extract_features(target, args.data, args.output, taps, dtype=args.dtype,
+                                    batch_size=args.batch_size)
+    print(f"features of {manifest['num_samples']} samples ({manifest['num_tokens']} tokens, taps "
+          f"{list(taps)}, {args.dtype}) in {len(manifest['files'])} file(s) under {args.output}; "
+          f"train with --train.feature_dir=\"('{args.output}',)\"")
     return 0
 
 
@@ -97,6 +184,55 @@ def cmd_train(args, overrides) -> int:
     workdir = args.workdir or f"runs/{Path(args.config).stem}"
     drafter = train(config, workdir)
     print(f"trained {drafter}; checkpoints and metrics in {workdir}, drafter in {workdir}/drafter")
+    return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _serving_models(args):
+    from dspark_jax import init_drafter, load_drafter, load_target
+
+    target = load_target(args.model, dtype=_dtype(args.dtype))
+    drafter = (init_drafter(target, seed=args.seed) if args.drafter == "init"
+               else load_drafter(args.drafter, target))
+    return target, drafter
+
+
+def cmd_profile_sps(args) -> int:
+    from dspark_jax.scheduling import sps
+    from dspark_jax.serving import Engine
+
+    target, drafter = _serving_models(args)
+    buckets = [int(b) for b in _csv(args.buckets)] if args.buckets else None
+    engine = Engine(target, drafter, slots=args.slots, max_len=args.max_len, buckets=buckets)
+    profile = engine.profile_sps(repeats=args.repeats, warmup=args.warmup, refresh=args.refresh)
+    path = sps.cache_file(profile.key)
+    plot = sps.plot_profile(profile, args.plot or path.with_suffix(".png"))
+    for tokens, seconds in zip(profile.grid, profile.seconds):
+        print(f"B = {tokens:5d} tokens: {1 / seconds:9.1f} steps/s ({1000 * seconds:.2f} ms)")
+    print(f"profile: {path}\nplot: {plot}")
+    return 0
+
+
+def cmd_serve_bench(args) -> int:
+    from dspark_jax.serving import bench, loadgen
+
+    target, drafter = _serving_models(args)
+    datasets = _csv(args.datasets)
+    prompts = loadgen.eval_prompts(target.tokenizer, datasets, args.prompts,
+                                   max_prompt_len=args.max_prompt_len, data_dir=args.data_dir)
+    result = bench.serve_bench(
+        target, drafter, prompts, policies=_csv(args.policies),
+        concurrency=[int(c) for c in _csv(args.concurrency)], max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        buckets=[int(b) for b in _csv(args.buckets)] if args.buckets else None,
+        sps_repeats=args.sps_repeats, sps_warmup=args.sps_warmup, refresh_sps=args.refresh_sps)
+    result["config"].update(model=args.model, drafter=args.drafter, datasets=datasets)
+    paths = bench.write_report(result, args.output)
+    print(bench.markdown_table(result))
+    print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))
     return 0
 
 
@@ -123,12 +259,54 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--gamma", type=int, help="drafts verified per round (--verify fixed)")
     gen.set_defaults(func=cmd_generate)
 
+    demo = sub.add_parser("demo", help="speculative vs autoregressive decoding on the embedded "
+                          "default model with its packaged DSpark drafter: answers, tau, speedup")
+    demo.add_argument("--model", default="smollm2-135m-instruct")
+    demo.add_argument("--drafter", default="dspark-smollm2-135m",
+                      help="drafter folder or packaged drafter name")
+    demo.add_argument("--prompt", action="append", help="a user message (repeat for several)")
+    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--verify", default="full",
+                      choices=("full", "fixed", "threshold", "prefix", "production"))
+    demo.set_defaults(func=cmd_demo)
+
+    ev = sub.add_parser("eval", help="tau and acceptance of drafters on the benchmark prompts")
+    ev.add_argument("--model", default="smollm2-135m-instruct")
+    ev.add_argument("--drafter", action="append", required=True,
+                    help="drafter folder or packaged name (repeat: one table row each)")
+    ev.add_argument("--label", action="append", help="row label per --drafter (default: folder name)")
+    ev.add_argument("--bench", default="gsm8k,humaneval,mt-bench",
+                    help="comma-separated: gsm8k, math500, aime25, humaneval, mbpp, "
+                    "livecodebench, mt-bench, alpaca, arena-hard-v2")
+    ev.add_argument("--data-dir", help="folder of the benchmark JSONL files "
+                    "(default ../shared/data/eval)")
+    ev.add_argument("--limit", type=int, help="first N prompts of each benchmark (after the cap)")
+    ev.add_argument("--output", required=True, help="report folder (resumable per benchmark)")
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument("--top-p", type=float, default=1.0)
+    ev.add_argument("--top-k", type=int, default=0)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--dtype", choices=DTYPES, default="auto")
+    ev.set_defaults(func=cmd_eval)
+
+    cal = sub.add_parser("calibrate", help="fit STS confidence temperatures from eval traces")
+    cal.add_argument("--drafter", required=True, help="drafter folder: calibration.json goes here")
+    cal.add_argument("--traces", nargs="+", required=True,
+                     help="trace files written by `dspark-jax eval` (<output>/<label>/*.npz)")
+    cal.add_argument("--fit-fraction", type=float, default=0.5,
+                     help="share of the requests used to fit; the rest reports before/after")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.set_defaults(func=cmd_calibrate)
+
     prep = sub.add_parser("prepare-data", help="regenerate answers with the target (resumable)")
     prep.add_argument("--model", default="smollm2-135m-instruct")
     prep.add_argument("--prompts", nargs="+", required=True,
                       help="prompt JSONL files ({'turns': [...]} or {'prompt': ...}); never eval sets")
     prep.add_argument("--output", required=True, help="folder for shards + manifest.json")
     prep.add_argument("--max-samples", type=int, help="number of prompts to use (default: all)")
+    prep.add_argument("--first-prompt", type=int, default=0,
+                      help="skip the prompts before this index (held-out splits)")
     prep.add_argument("--batch-size", type=int, default=8)
     prep.add_argument("--max-new-tokens", type=int, default=512)
     prep.add_argument("--max-length", type=int, default=4096)
@@ -141,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--dtype", choices=DTYPES, default="auto")
     prep.set_defaults(func=cmd_prepare_data)
 
+    feat = sub.add_parser("prepare-features",
+                          help="cache the target's features of a data folder (resumable)")
+    feat.add_argument("--config", required=True,
+                      help="experiment config file (configs/*.py): its target and drafter taps")
+    feat.add_argument("--data", required=True, help="folder written by prepare-data")
+    feat.add_argument("--output", required=True, help="folder for feature files + manifest.json")
+    feat.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                      help="storage dtype (bfloat16/float16: half the disk, rounded features)")
+    feat.add_argument("--batch-size", type=int, default=8, help="samples per target call")
+    feat.set_defaults(func=cmd_prepare_features)
+
     tr = sub.add_parser("train", help="train a drafter (resumes from the workdir's checkpoints)",
                         description="Extra arguments are config overrides: --train.max_steps=100")
     tr.add_argument("--config", required=True, help="experiment config file (configs/*.py)")
@@ -152,14 +341,67 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--process-id", type=int, default=0)
     tr.set_defaults(func=cmd_train)
 
-    conv = sub.add_parser("convert", help="convert between GGUF, HF folder and Orbax")
-    conv.add_argument("--model", required=True,
-                      help="registered name, Hugging Face folder, .gguf file or Orbax folder")
-    conv.add_argument("--to", choices=("hf", "orbax", "gguf"), required=True)
+    conv = sub.add_parser("convert", help="convert models between GGUF, HF folder and Orbax, "
+                          "or drafters between the DeepSpec, z-lab DFlash and Orbax layouts")
+    conv.add_argument("--model", default="smollm2-135m-instruct",
+                      help="registered name, Hugging Face folder, .gguf file or Orbax folder "
+                      "(with --drafter: its target)")
+    conv.add_argument("--drafter", help="convert this drafter folder instead of the model")
+    conv.add_argument("--to", choices=("hf", "orbax", "gguf", "deepspec", "dflash"),
+                      required=True)
     conv.add_argument("--output", required=True,
-                      help="folder (hf, orbax) or .gguf file to write, replaced atomically")
+                      help="folder (hf, orbax, deepspec, dflash) or .gguf file to write, "
+                      "replaced atomically")
     conv.add_argument("--dtype", choices=DTYPES, default="auto")
+    conv.add_argument("--compact", action="store_true",
+                      help="deepspec drafter without copies of the target's embedding and LM "
+                      "head (dspark-jax reads those from the target)")
     conv.set_defaults(func=cmd_convert)
+
+    def serving_args(p):
+        p.add_argument("--model", default="smollm2-135m-instruct",
+                       help="registered name, Hugging Face folder, .gguf file or Orbax folder")
+        p.add_argument("--drafter", required=True,
+                       help="drafter folder or packaged name, or 'init' for an untrained one")
+        p.add_argument("--buckets", help="flat verify token counts, comma-separated "
+                       "(default: powers of two up to slots * (P + 1))")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", choices=DTYPES, default="auto")
+
+    prof = sub.add_parser("profile-sps", help="measure the serving engine's steps/s by forward "
+                          "tokens (cached; table for the prefix/production schedulers) + plot")
+    serving_args(prof)
+    prof.add_argument("--slots", type=int, default=16, help="concurrent requests of the engine")
+    prof.add_argument("--max-len", type=int, default=2048, help="cache slots per request")
+    prof.add_argument("--repeats", type=int, default=10, help="timed steps per bucket (median)")
+    prof.add_argument("--warmup", type=int, default=3, help="untimed steps per bucket first")
+    prof.add_argument("--refresh", action="store_true", help="measure again despite the cache")
+    prof.add_argument("--plot", help="PNG path (default: beside the cached JSON)")
+    prof.set_defaults(func=cmd_profile_sps)
+
+    sb = sub.add_parser("serve-bench", help="continuous-batching throughput and verification "
+                        "budget against concurrency, per policy (closed-loop eval prompts)")
+    serving_args(sb)
+    sb.add_argument("--policies", default="prefix,fixed1,fixed-best,full",
+                    help="comma-separated: full, prefix, production, fixed<G>, fixed-best, "
+                    "threshold<T>")
+    sb.add_argument("--concurrency", default="1,4,16,64", help="comma-separated user counts")
+    sb.add_argument("--prompts", type=int, default=64, help="prompts replayed per run")
+    sb.add_argument("--max-new-tokens", type=int, default=256)
+    sb.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are skipped")
+    sb.add_argument("--datasets", default="gsm8k,humaneval,mt-bench",
+                    help="comma-separated eval sets, interleaved")
+    sb.add_argument("--data-dir",
+                    help="folder of the eval JSONL files (default ../shared/data/eval)")
+    sb.add_argument("--temperature", type=float, default=1.0)
+    sb.add_argument("--top-p", type=float, default=1.0)
+    sb.add_argument("--top-k", type=int, default=0)
+    sb.add_argument("--sps-repeats", type=int, default=10)
+    sb.add_argument("--sps-warmup", type=int, default=3)
+    sb.add_argument("--refresh-sps", action="store_true")
+    sb.add_argument("--output", default="benchmarks/results/serve_bench",
+                    help="folder for serve_bench.json, .md and .png")
+    sb.set_defaults(func=cmd_serve_bench)
     return parser
 
 

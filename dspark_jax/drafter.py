@@ -13,10 +13,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import ml_collections
+import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax import sharding
 from dspark_jax.checkpoints import deepspec
+from dspark_jax.checkpoints.errors import CheckpointError
+from dspark_jax.evaluation import calibration
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
 from dspark_jax.models.drafter import DrafterModel
 from dspark_jax.target import Target
@@ -30,6 +35,9 @@ class Drafter:
       model_config: the draft layers' architecture (a target-style config).
       graphdef, state: the split ``DrafterModel`` (``nnx.merge(graphdef, state)`` inside jit).
       target: the Target whose embedding, LM head and taps the drafter uses.
+      confidence_temperatures: float32 [P] STS temperatures (``dspark-jax calibrate``), read
+        from and saved to ``calibration.json`` in the checkpoint folder; None = uncalibrated.
+      calibration_fit: how they were fitted (the file's "fit" record).
     """
 
     def __init__(self, config, model_config, state: nnx.State, graphdef, target: Target):
@@ -38,6 +46,22 @@ class Drafter:
         self.state = state
         self.graphdef = graphdef
         self.target = target
+        self.confidence_temperatures = None
+        self.calibration_fit = None
+
+    @property
+    def num_proposals(self) -> int:
+        """P: draft tokens per block (block_size, less the anchor slot when it does not predict)."""
+        return self.config.block_size - (0 if self.config.anchor_predicts else 1)
+
+    def calibrate(self, temperatures, fit: dict | None = None) -> None:
+        """Sets the STS confidence temperatures [P] every verification policy then uses."""
+        temps = np.asarray(temperatures, np.float32)
+        if temps.shape != (self.num_proposals,) or not np.all(temps > 0):
+            raise ValueError(f"{temps.size} confidence temperatures {temps.tolist()} for a "
+                             f"drafter with {self.num_proposals} proposals (all must be > 0)")
+        self.confidence_temperatures = temps
+        self.calibration_fit = dict(fit or {})
 
     def __repr__(self):
         c = self.config
@@ -53,15 +77,30 @@ class Drafter:
     def dtype(self):
         return nnx.to_flat_state(self.state)[0][1].value.dtype
 
-    def save(self, path: str | os.PathLike, layout: str = "deepspec") -> Path:
+    def save(self, path: str | os.PathLike, layout: str = "deepspec", *, dtype=None,
+             target_tensors: bool = True) -> Path:
         """Writes the drafter atomically; layout "deepspec", "dflash" (z-lab) or "orbax".
+
+        Args:
+          dtype: parameter dtype on disk (default: as held), e.g. jnp.bfloat16 to halve it.
+          target_tensors: the deepspec layout carries copies of the target's embedding and LM
+            head, as the reference reads them; False leaves them out (a compact folder for
+            dspark-jax, which takes them from the target).
 
         Raises:
           CheckpointError: the layout cannot hold this drafter (dflash with heads).
         """
+        state = self.state
+        if dtype is not None:
+            state = jax.tree.map(
+                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+        extra = {}
+        if self.confidence_temperatures is not None:
+            extra[calibration.CALIBRATION_FILE] = calibration.calibration_text(
+                self.confidence_temperatures, self.calibration_fit)
         return deepspec.save(path, layout=layout, model_cfg=self.model_config, cfg=self.config,
-                             state=self.state, target_state=self.target.state,
-                             target_config=self.target.config)
+                             state=state, target_state=self.target.state if target_tensors else None,
+                             target_config=self.target.config, extra_files=extra)
 
 
 def _as_fields(config: Any) -> dict:
@@ -109,11 +148,39 @@ def init_drafter(target: Target, config=None, *, seed: int = 0, dtype=None, **ov
     return Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)
 
 
+# Drafters shipped inside the package (dspark_jax/assets/<name>), loadable by name.
+PACKAGED_DRAFTERS = {
+    "dspark-smollm2-135m": "DSpark drafter for smollm2-135m-instruct trained on a CPU "
+                           "(configs/dspark_smollm2_135m.py; BENCHMARKS.md)",
+    "dflash-smollm2-135m": "its DFlash baseline, same data and budget "
+                           "(configs/dflash_smollm2_135m.py)",
+}
+
+
+def packaged_drafter_path(name: str) -> Path:
+    """The folder of a drafter shipped with dspark-jax (``PACKAGED_DRAFTERS``)."""
+    return Path(__file__).parent / "assets" / name
+
+
 def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter:
-    """Loads a drafter folder (DeepSpec, z-lab DFlash or Orbax layout) for ``target``.
+    """Loads a drafter for ``target``: a folder (DeepSpec, z-lab DFlash or Orbax layout) or the
+    name of a packaged drafter (``PACKAGED_DRAFTERS``, e.g. "dspark-smollm2-135m").
 
     Raises:
       CheckpointError: unreadable folder, or a drafter that does not fit the target.
+      ValueError: neither a folder nor a packaged drafter name.
     """
+    if str(path) in PACKAGED_DRAFTERS:
+        path = packaged_drafter_path(str(path))
+    elif not Path(path).exists():
+        raise ValueError(f"no drafter folder {str(path)!r}, and it is not a packaged drafter "
+                         f"({', '.join(PACKAGED_DRAFTERS)})")
     model_cfg, cfg, graphdef, state = deepspec.load(path, target.config, dtype or target.dtype)
-    return Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)
+    drafter = Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)
+    if (Path(path) / calibration.CALIBRATION_FILE).exists():
+        try:
+            found = calibration.load_calibration(path)
+            drafter.calibrate(found.temperatures, found.fit)
+        except ValueError as e:
+            raise CheckpointError(f"corrupt {calibration.CALIBRATION_FILE} in {path}: {e}") from e
+    return drafter

@@ -26,6 +26,9 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens, EOS included when one was emitted
     text: str  # decoded without special tokens
     stats: dict
+    # With record=True: this request's rounds, {"confidence_logits": float32 [r, P],
+    # "num_verified": int32 [r], "num_accepted": int32 [r]} (numpy).
+    trace: dict | None = None
 
 
 def prompt_bucket(length: int) -> int:
@@ -98,36 +101,54 @@ def _ratio(num, den):
     return float(num) / float(den) if den else None
 
 
-def speculative_stats(stats, row: int) -> dict:
-    """Per-request statistics of a speculative run (DSPARK_SPEC.md section 7, Metrics).
+COUNTERS = ("rounds", "tau_sum", "accepted", "proposed", "accepted_ge", "proposed_ge", "reached")
+
+
+def stats_from_counters(counters: dict) -> dict:
+    """Speculative statistics (DSPARK_SPEC.md section 7, Metrics) from summed counters.
 
     tau: mean over rounds of accepted + 1 (accepted only when an accepted EOS ends the round);
-    verify_rate: accepted / (verified drafts + rounds); accept_rate_at_k[k-1]: rounds with more
-    than k-1 accepted among rounds verifying more than k-1 (prefix survival at position k);
-    conditional_acceptance[k-1]: accepted at k among rounds whose first k-1 were accepted and
-    that verified position k (paper Fig. 2). ``counters`` holds the raw sums for aggregation.
+    proposal_len: drafts verified per round; verify_rate: accepted / (verified drafts + rounds);
+    accept_rate_at_k[k-1]: rounds with more than k-1 accepted among rounds verifying more than
+    k-1 (prefix survival at position k); conditional_acceptance[k-1]: accepted at k among rounds
+    whose first k-1 were accepted and that verified position k (paper Fig. 2). ``counters``
+    holds the raw sums, which add up over requests (:func:`sum_counters`).
     """
-    rounds = int(stats.rounds[row])
-    acc_ge, prop_ge, reached = (np.asarray(x[row]).tolist() for x in
-                                (stats.accepted_ge, stats.proposed_ge, stats.reached))
+    c = counters
     return dict(
-        rounds=rounds,
-        tau=_ratio(stats.tau_sum[row], rounds),
-        accepted=int(stats.accepted[row]),
-        proposal_len=_ratio(stats.proposed[row], rounds),
-        verify_rate=_ratio(stats.accepted[row], int(stats.proposed[row]) + rounds),
-        accept_rate_at_k=[_ratio(a, p) for a, p in zip(acc_ge, prop_ge)],
-        conditional_acceptance=[_ratio(a, r) for a, r in zip(acc_ge, reached)],
-        counters=dict(rounds=rounds, tau_sum=int(stats.tau_sum[row]),
-                      accepted=int(stats.accepted[row]), proposed=int(stats.proposed[row]),
-                      accepted_ge=acc_ge, proposed_ge=prop_ge, reached=reached),
+        rounds=c["rounds"],
+        tau=_ratio(c["tau_sum"], c["rounds"]),
+        accepted=c["accepted"],
+        proposal_len=_ratio(c["proposed"], c["rounds"]),
+        verify_rate=_ratio(c["accepted"], c["proposed"] + c["rounds"]),
+        accept_rate_at_k=[_ratio(a, p) for a, p in zip(c["accepted_ge"], c["proposed_ge"])],
+        conditional_acceptance=[_ratio(a, r) for a, r in zip(c["accepted_ge"], c["reached"])],
+        counters=c,
     )
+
+
+def sum_counters(counters: Sequence[dict]) -> dict:
+    """Element-wise sum of ``stats["counters"]`` dicts (several requests or runs)."""
+    if not counters:
+        raise ValueError("no counters to sum")
+    out = {}
+    for name in COUNTERS:
+        values = [c[name] for c in counters]
+        out[name] = (np.sum(values, axis=0).tolist() if isinstance(values[0], list)
+                     else int(sum(values)))
+    return out
+
+
+def speculative_stats(stats, row: int) -> dict:
+    """Per-request statistics of a speculative run (:func:`stats_from_counters`)."""
+    counters = {name: np.asarray(getattr(stats, name)[row]).tolist() for name in COUNTERS}
+    return stats_from_counters(counters)
 
 
 def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              drafter=None, verify="full", verify_params: dict | None = None,
-             buckets: Sequence[int] | None = None) -> list[GenerationResult]:
+             buckets: Sequence[int] | None = None, record: bool = False) -> list[GenerationResult]:
     """Generates continuations for a batch of prompts.
 
     Args:
@@ -144,6 +165,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
       verify_params: its traced parameters, e.g. {"threshold": 0.5}, {"gamma": 2},
         {"sps": steps_per_second_by_batch_tokens}.
       buckets: token counts of the target's verify forward (default powers of two and P + 1).
+      record: with a drafter, attach each request's per-round confidences and acceptance
+        (``GenerationResult.trace``), the input of calibration and the confidence metrics.
 
     Returns:
       One GenerationResult per prompt, in order. ``stats`` holds new_tokens, prompt_tokens,
@@ -172,16 +195,17 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
         compiled, compile_s = _PROGRAMS.get(model_key, autoregressive.decode, args, (0,),
                                             max_new_tokens=max_new_tokens)
     else:
-        proposals = drafter.config.block_size - drafter.model.first_proposal_slot
+        proposals = drafter.num_proposals
         verify_buckets = verification.verify_buckets(proposals, buckets)
-        policy_params = verification.default_params(verify, batch, proposals, verify_params)
+        policy_params = verification.default_params(verify, batch, proposals, verify_params,
+                                                    drafter.confidence_temperatures)
         args = (target.graphdef, target.state, drafter.graphdef, drafter.state) + inputs + (
             policy_params,)
         key = model_key + (drafter.graphdef, str(drafter.dtype), _shardings(drafter.state),
-                           verify_buckets, verify, policy_params["sps"].shape)
+                           verify_buckets, verify, policy_params["sps"].shape, record)
         compiled, compile_s = _PROGRAMS.get(key, speculative.decode, args, (0, 2),
                                             max_new_tokens=max_new_tokens, buckets=verify_buckets,
-                                            policy=verify)
+                                            policy=verify, record=record)
     dynamic = tuple(a for i, a in enumerate(args) if i not in ((0,) if drafter is None else (0, 2)))
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(*dynamic))
@@ -194,7 +218,18 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
         text = target.tokenizer.decode(ids, skip_special_tokens=True) if target.tokenizer else ""
         stats = dict(new_tokens=len(ids), prompt_tokens=len(encoded[i]), steps=int(out.steps),
                      compile_s=compile_s, wall_s=wall, tokens_per_s=total / wall, batch=batch)
+        trace = None
         if drafter is not None:
             stats.update(speculative_stats(out.stats, i))
-        results.append(GenerationResult(ids, text, stats))
+            if record:
+                trace = _row_trace(out.trace, i)
+        results.append(GenerationResult(ids, text, stats, trace))
     return results
+
+
+def _row_trace(trace: speculative.SpecTrace, row: int) -> dict:
+    """One request's active rounds of a SpecTrace as numpy arrays."""
+    active = np.asarray(trace.active[:, row])
+    return dict(confidence_logits=np.asarray(trace.confidence_logits[:, row])[active],
+                num_verified=np.asarray(trace.num_verified[:, row])[active],
+                num_accepted=np.asarray(trace.num_accepted[:, row])[active])

@@ -24,6 +24,8 @@ DSPARK_TRAIN = dict(
     global_batch_size=512, epochs=10, max_length=4096,
     # dspark-jax's own settings (the trainer, dspark_jax/training/trainer.py):
     data_dir=(),            # folders written by `dspark-jax prepare-data`
+    feature_dir=(),         # optional target-feature caches (`dspark-jax prepare-features`),
+                            # one per data_dir; empty: the step runs the target online
     max_steps=0,            # 0: epochs * ceil(samples / global_batch_size)
     pack_length=4096,       # tokens per packed row
     anchors_per_row=512,    # anchor slots per packed row
@@ -36,6 +38,17 @@ DSPARK_TRAIN = dict(
     keep_checkpoints=3)
 # DFlash trains with cross-entropy only.
 DFLASH_TRAIN_CHANGES = dict(ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
+
+# The embedded default target SmolLM2-135M-Instruct, sized to train on a CPU (see
+# configs/dspark_smollm2_135m.py for the reasoning behind each number).
+SMOLLM2_DRAFTER = dict(
+    target_layer_ids=(1, 8, 14, 21, 27), mask_token_id=49151, block_size=7, num_layers=2,
+    markov_rank=32, head="markov", confidence_head=True, confidence_head_with_markov=True,
+    trainable_mask_embedding=True, anchor_predicts=True, num_anchors=64)
+SMOLLM2_TRAIN = dict(
+    DSPARK_TRAIN, learning_rate=1e-3, global_batch_size=4, epochs=1, max_length=512,
+    max_steps=150, pack_length=512, anchors_per_row=64, anchor_chunk=16, log_every=5,
+    checkpoint_every=50)
 
 
 def experiment(target: str, drafter: dict, train: dict) -> ml_collections.ConfigDict:
@@ -51,6 +64,17 @@ def qwen3_dspark(target: str, target_layer_ids: tuple[int, ...]) -> ml_collectio
     """DeepSpec's DSpark config for a Qwen3 target."""
     return experiment(target, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids),
                       DSPARK_TRAIN)
+
+
+def smollm2_dspark() -> ml_collections.ConfigDict:
+    """The DSpark drafter of the embedded default target."""
+    return experiment("smollm2-135m-instruct", SMOLLM2_DRAFTER, SMOLLM2_TRAIN)
+
+
+def smollm2_dflash() -> ml_collections.ConfigDict:
+    """The DFlash baseline of the embedded default target: same data, budget and backbone."""
+    return experiment("smollm2-135m-instruct", dict(SMOLLM2_DRAFTER, **DFLASH_DRAFTER_CHANGES),
+                      dict(SMOLLM2_TRAIN, **DFLASH_TRAIN_CHANGES))
 
 
 def qwen3_dflash(target: str, target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:

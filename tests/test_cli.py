@@ -20,6 +20,24 @@ def test_convert_hf_to_orbax_and_back(tmp_path):
     np.testing.assert_array_equal(load_target(tmp_path / "hf2").logits(ids), source.logits(ids))
 
 
+def test_convert_a_drafter_to_a_compact_bfloat16_folder(tmp_path, capsys):
+    import dspark_jax
+
+    target = init_target(TINY, seed=5)
+    target.save_hf(tmp_path / "hf")
+    dspark_jax.init_drafter(target, seed=1, num_layers=1).save(tmp_path / "d")
+    assert cli.main(["convert", "--model", str(tmp_path / "hf"), "--drafter", str(tmp_path / "d"),
+                     "--to", "deepspec", "--dtype", "bfloat16", "--compact",
+                     "--output", str(tmp_path / "small")]) == 0
+    loaded = dspark_jax.load_drafter(tmp_path / "small", load_target(tmp_path / "hf"))
+    assert loaded.config.num_layers == 1
+    assert (tmp_path / "small" / "model.safetensors").stat().st_size < 0.5 * (
+        tmp_path / "d" / "model.safetensors").stat().st_size
+    assert cli.main(["convert", "--model", str(tmp_path / "hf"), "--drafter", str(tmp_path / "d"),
+                     "--to", "gguf", "--output", str(tmp_path / "x.gguf")]) == 2
+    assert "a drafter converts to deepspec, dflash or orbax" in capsys.readouterr().err
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     assert cli.main(["generate", "--model", "no-such-model", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err

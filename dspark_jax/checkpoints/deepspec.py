@@ -177,10 +177,12 @@ def drafter_tensors(layout: str, cfg, state: nnx.State, target_state: nnx.State 
                     target_config):
     """{torch key: numpy array} of a drafter in the ``deepspec`` or ``dflash`` layout.
 
-    The deepspec layout adds the target's embedding and LM head (read from ``target_state``).
+    The deepspec layout adds the target's embedding and LM head (read from ``target_state``;
+    ``target_state=None`` leaves them out: a compact folder that only dspark-jax reads, since
+    it takes them from the target anyway).
     """
     tensors = dict(hf.iter_torch_tensors(state, prefix="", overrides=OVERRIDES))
-    if layout == "deepspec":
+    if layout == "deepspec" and target_state is not None:
         flat = {tuple(str(p) for p in path): v.value for path, v in nnx.to_flat_state(target_state)}
         embed = np.array(jax.device_get(flat[("embed_tokens", "embedding")]))
         head = (embed if target_config.tie_word_embeddings
@@ -251,8 +253,11 @@ def _read_json(path: Path) -> dict:
 
 
 def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.State,
-         target_state: nnx.State | None, target_config) -> Path:
-    """Writes a drafter folder atomically in one of ``LAYOUTS``."""
+         target_state: nnx.State | None, target_config,
+         extra_files: dict[str, str] | None = None) -> Path:
+    """Writes a drafter folder atomically in one of ``LAYOUTS`` (``target_state=None``: the
+    deepspec layout without the target's embedding and LM head); ``extra_files`` {name: text}
+    are written into the folder too (e.g. the calibration)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if layout == "dflash" and (cfg.markov_rank > 0 or cfg.confidence_head):
@@ -262,6 +267,8 @@ def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.S
     dtype = str(np.dtype(nnx.to_flat_state(state)[0][1].value.dtype))
 
     def write(tmp: Path):
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         if layout == "orbax":
             orbax_params.save_params(tmp, state)
             meta = dict(drafter_config=_plain(cfg), model_config=model_config_to_hf(model_cfg),

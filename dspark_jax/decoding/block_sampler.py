@@ -92,3 +92,14 @@ def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array
                         hidden=proposal, base_logits=target.logits(proposal),
                         anchor_tokens=anchor_tokens, key=key, temperature=temperature,
                         top_p=top_p, top_k=top_k)
+
+
+def block_confidences(block: BlockSample, temperatures: jax.Array) -> jax.Array:
+    """Per-step confidences c_k = sigmoid(z_k / T_k), float32 [b, P], of a block.
+
+    ``temperatures`` [P] are the drafter's STS temperatures (ones when uncalibrated); a drafter
+    without a confidence head gets c = 1 everywhere.
+    """
+    if block.confidence is None:
+        return jnp.ones(block.tokens.shape, jnp.float32)
+    return jax.nn.sigmoid(block.confidence.astype(jnp.float32) / temperatures)

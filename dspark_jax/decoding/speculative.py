@@ -28,7 +28,7 @@ from flax import nnx
 
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.autoregressive import SamplingParams, is_eos
-from dspark_jax.decoding.block_sampler import sample_draft
+from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
 from dspark_jax.decoding.sampling import sample, sampling_probs
 from dspark_jax.decoding.verification import policy_lengths
 from dspark_jax.models.kv_cache import KVCache
@@ -46,11 +46,23 @@ class SpecStats(NamedTuple):
     reached: jax.Array  # int32 [b, P]: rounds with n >= k + 1 and accepted >= k
 
 
+class SpecTrace(NamedTuple):
+    """Per-round record of every row (``record=True``), R = max_new_tokens round slots.
+
+    Rounds past ``steps`` and rows inactive in a round have ``active`` False."""
+
+    confidence_logits: jax.Array  # float32 [R, b, P] raw z_k of the verified block (0: no head)
+    num_verified: jax.Array  # int32 [R, b] draft tokens the policy sent to the verifier
+    num_accepted: jax.Array  # int32 [R, b] draft tokens the verifier accepted
+    active: jax.Array  # bool [R, b]
+
+
 class SpecOutput(NamedTuple):
     tokens: jax.Array  # int32 [b, N + P + 1]; entries past num_generated are padding
     num_generated: jax.Array  # int32 [b], EOS included
     stats: SpecStats
     steps: jax.Array  # int32: rounds of the loop (target verify forwards after prefill)
+    trace: SpecTrace | None  # with record=True
 
 
 def _zero_stats(batch: int, proposals: int) -> SpecStats:
@@ -59,25 +71,27 @@ def _zero_stats(batch: int, proposals: int) -> SpecStats:
     return SpecStats(vec, vec, vec, vec, mat, mat, mat)
 
 
-def _confidences(block, batch: int, proposals: int) -> jax.Array:
+def _confidence_logits(block, batch: int, proposals: int) -> jax.Array:
     if block.confidence is None:
-        return jnp.ones((batch, proposals), jnp.float32)
-    return jax.nn.sigmoid(block.confidence.astype(jnp.float32))
+        return jnp.zeros((batch, proposals), jnp.float32)
+    return block.confidence.astype(jnp.float32)
 
 
 def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
            drafter_graphdef: nnx.GraphDef, drafter_state: nnx.State, prompts: jax.Array,
            prompt_lens: jax.Array, key: jax.Array, params: SamplingParams, eos_ids: jax.Array,
            policy_params: dict, *, max_new_tokens: int, buckets: tuple[int, ...],
-           policy) -> SpecOutput:
+           policy, record: bool = False) -> SpecOutput:
     """Speculative decoding (jit with the keyword arguments static).
 
     Args:
       prompts: int32 [b, W] right-padded; prompt_lens: int32 [b] (>= 1).
       key: PRNG key; params: per-row SamplingParams; eos_ids: int32 [E].
-      policy_params: traced parameters of ``policy`` (``verification.default_params``).
+      policy_params: traced parameters of ``policy`` (``verification.default_params``), with
+        the confidence temperatures [P] every policy's confidences are computed with.
       buckets: sorted verify token counts, the last one P + 1.
       policy: a verification policy name or function (``verification``).
+      record: also return the per-round SpecTrace (confidences and acceptance, for calibration).
     """
     target = nnx.merge(target_graphdef, target_state)
     drafter = nnx.merge(drafter_graphdef, drafter_state)
@@ -107,13 +121,18 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
     first, _ = sample(k_first, target.logits(out.hidden[rows, prompt_lens - 1]),
                       params.temperature, params.top_p, params.top_k)
     d_cache, block = propose(d_cache, out.taps, positions, first, prompt_lens, k_draft)
-    conf = _confidences(block, batch, proposals)
+    temps = policy_params["confidence_temperatures"]
+    conf = block_confidences(block, temps)
     tokens = jnp.zeros((batch, max_new_tokens + top), jnp.int32).at[:, 0].set(first)
     done = is_eos(first, eos_ids) | (max_new_tokens <= 1)
     carry = dict(step=jnp.int32(0), t_cache=out.cache, d_cache=d_cache, block=block,
                  history=jnp.stack([conf, conf]), anchor=first, anchor_pos=prompt_lens,
                  tokens=tokens, count=jnp.ones((batch,), jnp.int32), done=done, key=key,
                  stats=_zero_stats(batch, proposals))
+    if record:
+        rounds = jnp.zeros((max_new_tokens, batch), jnp.int32)
+        carry["trace"] = SpecTrace(jnp.zeros((max_new_tokens, batch, proposals), jnp.float32),
+                                   rounds, rounds, jnp.zeros((max_new_tokens, batch), bool))
 
     def verify_branch(size):
         """Target forward over the first ``size`` verify tokens; outputs padded to ``top``.
@@ -138,7 +157,7 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
     def body(c):
         active = ~c["done"]
         block, anchor, anchor_pos, count = c["block"], c["anchor"], c["anchor_pos"], c["count"]
-        conf = _confidences(block, batch, proposals)
+        conf = block_confidences(block, temps)
         num_draft = policy_lengths(policy, conf, c["history"][0], active, policy_params)
 
         # Verify over the smallest bucket holding the longest row.
@@ -184,12 +203,20 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         new_anchor = jnp.where(active, verdict.next_token, anchor)
         new_pos = jnp.where(active, anchor_pos + accepted + 1, anchor_pos)
         ctx_positions = anchor_pos[:, None] + index
-        d_cache, block = propose(c["d_cache"], new_taps, ctx_positions, new_anchor, new_pos, k_draft)
-        conf = _confidences(block, batch, proposals)
-        return dict(step=c["step"] + 1, t_cache=t_cache, d_cache=d_cache, block=block,
-                    history=jnp.stack([c["history"][1], conf]), anchor=new_anchor,
-                    anchor_pos=new_pos, tokens=tokens, count=new_count, done=done, key=key,
-                    stats=stats)
+        d_cache, new_block = propose(c["d_cache"], new_taps, ctx_positions, new_anchor, new_pos,
+                                     k_draft)
+        out = dict(step=c["step"] + 1, t_cache=t_cache, d_cache=d_cache, block=new_block,
+                   history=jnp.stack([c["history"][1], block_confidences(new_block, temps)]),
+                   anchor=new_anchor, anchor_pos=new_pos, tokens=tokens, count=new_count,
+                   done=done, key=key, stats=stats)
+        if record:
+            t, i = c["trace"], c["step"]
+            out["trace"] = SpecTrace(
+                t.confidence_logits.at[i].set(_confidence_logits(block, batch, proposals)),
+                t.num_verified.at[i].set(num_draft), t.num_accepted.at[i].set(accepted),
+                t.active.at[i].set(active))
+        return out
 
     final = jax.lax.while_loop(cond, body, carry)
-    return SpecOutput(final["tokens"], final["count"], final["stats"], final["step"])
+    return SpecOutput(final["tokens"], final["count"], final["stats"], final["step"],
+                      final.get("trace"))

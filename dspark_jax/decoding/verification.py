@@ -24,21 +24,31 @@ from __future__ import annotations
 from typing import Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax import scheduling
 
 POLICIES = ("full", "fixed", "threshold", "prefix", "production")
 
 
-def default_params(policy, batch: int, proposals: int, params: dict | None = None) -> dict:
+def default_params(policy, batch: int, proposals: int, params: dict | None = None,
+                   confidence_temperatures=None) -> dict:
     """Traced parameters of a policy with defaults filled in.
 
     Defaults: gamma = block, threshold 0 (keep all), and a flat steps/s table covering every
     possible forward size (so the scheduler admits every positive-survival token).
+    ``confidence_temperatures`` [P] are the drafter's STS temperatures (default 1): every
+    policy sees c_k = sigmoid(z_k / T_k).
     """
     params = dict(params or {})
+    temps = (np.ones((proposals,), np.float32) if confidence_temperatures is None
+             else np.asarray(confidence_temperatures, np.float32))
+    if temps.shape != (proposals,) or not np.all(temps > 0):
+        raise ValueError(f"confidence temperatures must be {proposals} positive numbers, got "
+                         f"{temps.tolist()}")
     out = dict(gamma=jnp.asarray(params.pop("gamma", proposals), jnp.int32),
-               threshold=jnp.asarray(params.pop("threshold", 0.0), jnp.float32))
+               threshold=jnp.asarray(params.pop("threshold", 0.0), jnp.float32),
+               confidence_temperatures=jnp.asarray(temps))
     sps = params.pop("sps", None)
     out["sps"] = (jnp.ones((batch * (proposals + 1) + 1,), jnp.float32) if sps is None
                   else jnp.asarray(sps, jnp.float32))

@@ -187,7 +187,7 @@ def _add_shard(manifest: dict, name: str, samples: list, start: int, stop: int) 
 
 def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
                  out_dir: str | os.PathLike, *, max_samples: int | None = None,
-                 batch_size: int = 8, max_new_tokens: int = 2048, max_length: int = 4096,
+                 first_prompt: int = 0, batch_size: int = 8, max_new_tokens: int = 2048, max_length: int = 4096,
                  temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20, seed: int = 0,
                  min_loss_tokens: int = 14, shard_size: int = 1024,
                  progress: bool = True) -> dict:
@@ -200,6 +200,8 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
         is resumed after its last complete shard).
       max_samples: use only the first ``max_samples`` prompts (None: all); kept samples are
         fewer when some are dropped. A later run with a larger value extends the data set.
+      first_prompt: skip the prompts before this index (a held-out split: e.g. train on the
+        first 192 prompts, evaluate on prompts from 2000 on).
       batch_size: prompts per ``generate`` call.
       max_new_tokens, temperature, top_p, top_k: sampling of the answers.
       max_length: conversations are truncated to this many tokens.
@@ -218,12 +220,18 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     files = [str(Path(f).resolve()) for f in prompt_files]
     per_file = [read_prompts([f]) for f in files]
     prompts = [p for file_prompts in per_file for p in file_prompts]
+    if not 0 <= first_prompt < len(prompts):
+        raise ValueError(f"first_prompt {first_prompt} is outside the {len(prompts)} prompts of "
+                         f"{', '.join(files)}")
+    prompts = prompts[first_prompt:]
     sources = [dict(path=f, records=len(p)) for f, p in zip(files, per_file)]
     shard_size = -(-shard_size // batch_size) * batch_size
     settings = dict(target=target.name, vocab_size=int(target.config.vocab_size),
                     batch_size=batch_size, shard_size=shard_size, max_new_tokens=max_new_tokens,
                     max_length=max_length, temperature=temperature, top_p=top_p, top_k=top_k,
                     seed=seed, min_loss_tokens=min_loss_tokens)
+    if first_prompt:
+        settings["first_prompt"] = first_prompt
     manifest = _resume_manifest(out, sources, settings)
     manifest["max_samples"] = max_samples
     total = len(prompts) if max_samples is None else min(max_samples, len(prompts))

@@ -3,14 +3,15 @@
 Stages (a ``grain.MapDataset`` up to the packer):
 
 1. ``ShardSource``: random access over the shards of ``dspark_jax.training.data``; record i is
-   dict(input_ids int32 [S], loss_mask int32 [S], index int = i).
+   dict(input_ids int32 [S], loss_mask int32 [S], index int = i), plus taps [S, m*d] and
+   hidden [S, d] when a feature cache is given (``dspark_jax.training.features``).
 2. Per-host slice ``[shard_index::shard_count]``, ``shuffle(seed)`` (a new order each epoch),
    ``repeat()`` (endless stream; stream position p is in epoch p // records_per_host).
 3. ``anchor_sequence``: truncate to the row length, sample up to ``anchors_per_sequence``
    anchors uniformly without replacement among the candidates (loss_mask[i] & loss_mask[i+1],
    spec 4.1) with an RNG seeded by (seed, record index, epoch), and cut the sequence after the
-   last anchor's block (the context the anchors need, their blocks and the last label).
-   Sequences without a candidate are skipped.
+   last anchor's block (the context the anchors need, their blocks and the last label; cached
+   features are cut alike). Sequences without a candidate are skipped.
 4. ``PackedBatches``: greedy in-order packing into rows of ``pack_length`` tokens and
    ``anchors_per_row`` anchor slots; a sequence that does not fit the open row (tokens or
    anchor slots) closes it and opens the next one.
@@ -22,6 +23,9 @@ Batches are numpy dicts:
   loss_mask   int32 [b, L]  1 on assistant tokens (0 on padding)
   anchors     int32 [b, N]  sorted row indices of the anchors, then 0 in unused slots
   keep        bool  [b, N]  True on used anchor slots (a prefix of the N slots)
+and, with a feature cache, packed exactly like input_ids (0 on padding), in the cache's dtype:
+  taps        [b, L, m*d]   the target's tapped layers (``step.target_features``)
+  hidden      [b, L, d]     the target's final-normed last hidden states
 
 The packer's state is only the stream position of the next unplaced sequence: a row closes when
 a sequence does not fit, and that sequence starts the next row, so every batch is a pure
@@ -38,27 +42,46 @@ import grain
 import numpy as np
 
 from dspark_jax.training.data import load_manifest, read_shard
+from dspark_jax.training.features import FeatureCache
 
 BATCH_KEYS = ("input_ids", "positions", "segment_ids", "loss_mask", "anchors", "keep")
+FEATURE_KEYS = ("taps", "hidden")
+TOKEN_KEYS = ("input_ids", "loss_mask") + FEATURE_KEYS  # per-token arrays of a sequence
+
+
+def _folders(dirs) -> list[Path]:
+    return [Path(d) for d in ([dirs] if isinstance(dirs, (str, os.PathLike)) else dirs)]
 
 
 class ShardSource:
     """grain RandomAccessDataSource over prepared data folders (shards kept in memory once read).
 
-    Record i: dict(input_ids int32 [S], loss_mask int32 [S], index int).
+    Record i: dict(input_ids int32 [S], loss_mask int32 [S], index int), plus taps [S, m*d] and
+    hidden [S, d] (memory-mapped, the cache's dtype) when ``feature_dir`` is given: one feature
+    cache per data folder, checked against it and against ``feature_key``
+    (``features.cache_key``) when given.
     """
 
-    def __init__(self, data_dir: str | os.PathLike | Sequence[str | os.PathLike]):
-        dirs = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else list(data_dir)
-        self._dirs = [Path(d) for d in dirs]
+    def __init__(self, data_dir: str | os.PathLike | Sequence[str | os.PathLike],
+                 feature_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+                 feature_key: dict | None = None):
+        self._dirs = _folders(data_dir)
+        feature_dirs = None if feature_dir is None else _folders(feature_dir)
+        if feature_dirs is not None and len(feature_dirs) != len(self._dirs):
+            raise ValueError(f"{len(feature_dirs)} feature cache(s) for {len(self._dirs)} data "
+                             "folder(s): give one cache per data folder, in the same order")
         self._files: list[Path] = []
+        self._caches: list[tuple[FeatureCache, int] | None] = []  # per shard: (cache, its shard)
         samples = []
-        for folder in self._dirs:
+        for d, folder in enumerate(self._dirs):
             manifest = load_manifest(folder)
             if manifest is None:
                 raise FileNotFoundError(f"no manifest.json in {folder}: run prepare_data first")
             self._files += [folder / f["file"] for f in manifest["files"]]
             samples += [f["samples"] for f in manifest["files"]]
+            cache = None if feature_dirs is None else FeatureCache(feature_dirs[d], folder, feature_key)
+            self._caches += [None if cache is None else (cache, j)
+                             for j in range(len(manifest["files"]))]
         self._starts = np.cumsum([0] + samples)
         self._shards: dict[int, dict[str, np.ndarray]] = {}
 
@@ -70,7 +93,13 @@ class ShardSource:
 
     def _shard(self, shard: int) -> dict[str, np.ndarray]:
         if shard not in self._shards:
-            self._shards[shard] = read_shard(self._files[shard])
+            arrays = read_shard(self._files[shard])
+            if self._caches[shard] is not None:
+                cache, index = self._caches[shard]
+                features = cache.shard(index, arrays)
+                arrays["taps"] = features[:, :cache.tap_width]
+                arrays["hidden"] = features[:, cache.tap_width:]
+            self._shards[shard] = arrays
         return self._shards[shard]
 
     def __getitem__(self, index: int) -> dict:
@@ -81,8 +110,10 @@ class ShardSource:
         arrays = self._shard(shard)
         local = index - int(self._starts[shard])
         lo, hi = arrays["offsets"][local], arrays["offsets"][local + 1]
-        return dict(input_ids=arrays["tokens"][lo:hi].astype(np.int32),
-                    loss_mask=arrays["loss_mask"][lo:hi].astype(np.int32), index=index)
+        record = dict(input_ids=arrays["tokens"][lo:hi].astype(np.int32),
+                      loss_mask=arrays["loss_mask"][lo:hi].astype(np.int32), index=index)
+        record.update({key: arrays[key][lo:hi] for key in FEATURE_KEYS if key in arrays})
+        return record
 
 
 def record_rng(seed: int, index: int, epoch: int) -> np.random.Generator:
@@ -103,19 +134,21 @@ def anchor_sequence(record: dict, *, rng: np.random.Generator, max_length: int, 
     Returns dict(input_ids int32 [s], loss_mask int32 [s], anchors int32 [k]) with k <=
     num_anchors sorted anchors chosen uniformly without replacement among the candidates of the
     record truncated to ``max_length``, and s = min(max anchor + block_size + 1, truncated
-    length): the last slot of a block predicts the token at anchor + block_size. None when the
-    truncated record has no candidate.
+    length): the last slot of a block predicts the token at anchor + block_size. The record's
+    taps [s, m*d] and hidden [s, d], when it has them, are cut alike. None when the truncated
+    record has no candidate.
     """
-    ids = record["input_ids"][:max_length]
     mask = record["loss_mask"][:max_length]
     candidates = anchor_candidates(mask)
     if candidates.size == 0:
         return None
     anchors = np.sort(rng.choice(candidates, size=min(num_anchors, candidates.size),
                                  replace=False))
-    end = min(int(anchors[-1]) + block_size + 1, len(ids))
-    return dict(input_ids=np.asarray(ids[:end], np.int32),
-                loss_mask=np.asarray(mask[:end], np.int32), anchors=anchors.astype(np.int32))
+    end = min(int(anchors[-1]) + block_size + 1, len(mask))
+    seq = {key: record[key][:end] for key in TOKEN_KEYS if key in record}
+    seq.update(input_ids=np.asarray(seq["input_ids"], np.int32),
+               loss_mask=np.asarray(seq["loss_mask"], np.int32), anchors=anchors.astype(np.int32))
+    return seq
 
 
 def anchored_dataset(source, *, seed: int, shard_index: int, shard_count: int, max_length: int,
@@ -140,19 +173,22 @@ def anchored_dataset(source, *, seed: int, shard_index: int, shard_count: int, m
 
 
 def pack_row(sequences: list[dict], pack_length: int, anchors_per_row: int) -> dict:
-    """One packed row (arrays [L] and [N], see the module docstring) from ``anchor_sequence``
-    outputs whose lengths and anchor counts fit."""
+    """One packed row (arrays [L], [L, ...] and [N], see the module docstring) from
+    ``anchor_sequence`` outputs whose lengths and anchor counts fit."""
     row = {key: np.zeros(pack_length, np.int32)
            for key in ("input_ids", "positions", "segment_ids", "loss_mask")}
+    token_keys = [key for key in TOKEN_KEYS if key in sequences[0]]
+    row.update({key: np.zeros((pack_length,) + sequences[0][key].shape[1:], sequences[0][key].dtype)
+                for key in FEATURE_KEYS if key in sequences[0]})
     row.update(anchors=np.zeros(anchors_per_row, np.int32), keep=np.zeros(anchors_per_row, bool))
     start = slot = 0
     for segment, seq in enumerate(sequences, 1):
         length, count = len(seq["input_ids"]), len(seq["anchors"])
         span = slice(start, start + length)
-        row["input_ids"][span] = seq["input_ids"]
+        for key in token_keys:
+            row[key][span] = seq[key]
         row["positions"][span] = np.arange(length)
         row["segment_ids"][span] = segment
-        row["loss_mask"][span] = seq["loss_mask"]
         row["anchors"][slot:slot + count] = seq["anchors"] + start
         row["keep"][slot:slot + count] = True
         start, slot = start + length, slot + count
@@ -219,12 +255,14 @@ class PackedBatches:
 
     def __next__(self) -> dict:
         rows = [self._next_row() for _ in range(self._batch_size)]
-        return {key: np.stack([row[key] for row in rows]) for key in BATCH_KEYS}
+        return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
 
 
 def make_pipeline(data_dir: str | os.PathLike | Sequence[str | os.PathLike], *, batch_size: int, pack_length: int,
                   anchors_per_row: int, anchors_per_sequence: int, block_size: int, seed: int,
-                  shard_index: int = 0, shard_count: int = 1) -> PackedBatches:
+                  shard_index: int = 0, shard_count: int = 1,
+                  feature_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+                  feature_key: dict | None = None) -> PackedBatches:
     """The packed-batch iterator of a prepared data folder (module docstring).
 
     Args:
@@ -236,12 +274,16 @@ def make_pipeline(data_dir: str | os.PathLike | Sequence[str | os.PathLike], *, 
       block_size: B, drafter block size (anchor + proposals).
       seed: shuffle and anchor-sampling seed, in [0, 2**32).
       shard_index, shard_count: this host's slice of the records.
+      feature_dir: feature caches (``features.extract_features``), one per data folder, or
+        None (no cached features: the train step runs the target).
+      feature_key: ``features.cache_key`` of the run's target and taps, checked against the
+        caches (None: not checked).
     """
     if min(batch_size, anchors_per_row, anchors_per_sequence, block_size) < 1 or pack_length < 2:
         raise ValueError("batch_size, anchors and block_size must be >= 1, pack_length >= 2")
     dataset, per_epoch = anchored_dataset(
-        ShardSource(data_dir), seed=seed, shard_index=shard_index, shard_count=shard_count,
-        max_length=pack_length, num_anchors=min(anchors_per_sequence, anchors_per_row),
+        ShardSource(data_dir, feature_dir, feature_key), seed=seed, shard_index=shard_index,
+        shard_count=shard_count, max_length=pack_length, num_anchors=min(anchors_per_sequence, anchors_per_row),
         block_size=block_size)
     return PackedBatches(dataset, records_per_epoch=per_epoch, batch_size=batch_size,
                          pack_length=pack_length, anchors_per_row=anchors_per_row)

@@ -1,8 +1,9 @@
-"""The jitted DSpark train step: online target features, the loss, AdamW, sharding.
+"""The jitted DSpark train step: target features, the loss, AdamW, sharding.
 
 A step runs the frozen target over packed rows (several sequences per row, segment-aware causal
-mask, per-sequence RoPE positions) to get the tapped layers and the last hidden states, runs the
-drafter's teacher-forced forward on the sampled anchors, and reduces the DSpark loss to sums
+mask, per-sequence RoPE positions) to get the tapped layers and the last hidden states, or takes
+them from the batch when it carries cached ones (``features.py``), runs the drafter's
+teacher-forced forward on the sampled anchors, and reduces the DSpark loss to sums
 (``losses.py``). Gradients are those of the loss numerator, accumulated over micro-batches and
 divided once by the global weight sum, so accumulation and data sharding never change the loss.
 
@@ -18,7 +19,9 @@ Usage (pure functional; ``nnx.split`` outside, ``nnx.merge`` inside)::
 The batch is a dict of arrays (the data pipeline's format):
   input_ids int32 [b, L]; positions int32 [b, L] (restart at 0 per sequence); segment_ids int32
   [b, L] (1, 2, ... per packed sequence, 0 = padding); loss_mask int32 [b, L]; anchors int32
-  [b, N] (sorted row indices); keep bool [b, N].
+  [b, N] (sorted row indices); keep bool [b, N]; optionally cached target features taps
+  [b, L, m*d] and hidden [b, L, d], packed like input_ids (then the target only provides its
+  embedding and LM head).
 """
 
 from __future__ import annotations
@@ -65,6 +68,19 @@ def target_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...]
     return jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.hidden)
 
 
+def batch_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...], dtype):
+    """(taps [b, L, m*d], hidden [b, L, d]) in ``dtype``: the batch's cached features when it
+    has them, else :func:`target_features`."""
+    if "taps" not in batch:
+        return target_features(target, batch, tap_layer_ids)
+    d = target.cfg.hidden_size
+    if batch["taps"].shape[-1] != len(tap_layer_ids) * d or batch["hidden"].shape[-1] != d:
+        raise ValueError(f"cached features of widths {batch['taps'].shape[-1]} (taps) and "
+                         f"{batch['hidden'].shape[-1]} (hidden) do not fit {len(tap_layer_ids)} "
+                         f"taps of a target of hidden size {d}")
+    return batch["taps"].astype(dtype), batch["hidden"].astype(dtype)
+
+
 def cast_floats(tree, dtype):
     """Casts the floating-point leaves of ``tree`` to ``dtype``."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
@@ -80,7 +96,7 @@ def loss_sums_fn(drafter_params: nnx.State, drafter_graphdef, target_graphdef,
     batch = jax.tree.map(jnp.asarray, batch)
     drafter = nnx.merge(drafter_graphdef, cast_floats(drafter_params, compute_dtype))
     target = nnx.merge(target_graphdef, cast_floats(target_state, compute_dtype))
-    taps, hidden = target_features(target, batch, drafter.cfg.target_layer_ids)
+    taps, hidden = batch_features(target, batch, drafter.cfg.target_layer_ids, compute_dtype)
     out = drafter.forward_train(
         target, input_ids=batch["input_ids"], taps=taps, anchors=batch["anchors"],
         keep=batch["keep"], loss_mask=batch["loss_mask"], positions=batch["positions"],

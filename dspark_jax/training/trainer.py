@@ -1,7 +1,8 @@
 """The training loop: data, sharded steps, metrics, Orbax checkpoints, resume, export.
 
 ``train(config, workdir)`` trains ``config.drafter`` for ``config.target`` on the folders of
-``config.train.data_dir``. Every host runs the same loop on its slice of the data
+``config.train.data_dir`` (with the target features of ``config.train.feature_dir`` when it
+names feature caches, one per data folder: ``dspark-jax prepare-features``). Every host runs the same loop on its slice of the data
 (``jax.process_index()``); batches are assembled into global arrays over the mesh.
 
 Checkpoints (orbax CheckpointManager under ``workdir/checkpoints``, asynchronous, atomic,
@@ -30,7 +31,13 @@ from dspark_jax.drafter import Drafter, init_drafter
 from dspark_jax.target import load_target
 from dspark_jax.training import step as train_step
 from dspark_jax.training.data import load_manifest
+from dspark_jax.training.features import cache_key
 from dspark_jax.training.pipeline import make_pipeline
+
+
+def compute_dtype():
+    """The forward dtype of training: float32 on CPU, bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
 def _data_dirs(train_cfg) -> list[str]:
@@ -39,6 +46,13 @@ def _data_dirs(train_cfg) -> list[str]:
     if not dirs:
         raise ValueError("config.train.data_dir is empty: run `dspark-jax prepare-data` first")
     return dirs
+
+
+def _feature_dirs(train_cfg) -> list[str] | None:
+    """The feature caches of ``train_cfg.feature_dir``, or None when it names none."""
+    dirs = train_cfg.get("feature_dir", ())
+    dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+    return dirs or None
 
 
 def total_steps(train_cfg) -> int:
@@ -105,10 +119,10 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tcfg = config.train
-    compute_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    dtype = compute_dtype()
     mesh = sharding.make_mesh(tuple(tcfg.mesh_shape))
     with jax.set_mesh(mesh):
-        target = load_target(config.target, dtype=compute_dtype)
+        target = load_target(config.target, dtype=dtype)
         drafter = init_drafter(target, config, seed=tcfg.seed)
     steps = total_steps(tcfg)
     hosts = jax.process_count()
@@ -118,13 +132,15 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
                          pack_length=tcfg.pack_length, anchors_per_row=tcfg.anchors_per_row,
                          anchors_per_sequence=drafter.config.num_anchors,
                          block_size=drafter.config.block_size, seed=tcfg.seed,
-                         shard_index=jax.process_index(), shard_count=hosts)
+                         shard_index=jax.process_index(), shard_count=hosts,
+                         feature_dir=_feature_dirs(tcfg),
+                         feature_key=cache_key(target, drafter.config.target_layer_ids))
     optimizer = train_step.make_optimizer(tcfg, steps)
     state = train_step.init_train_state(drafter.state, optimizer, mesh)
     step_fn = train_step.make_train_step(
         drafter.graphdef, target.graphdef, tcfg, optimizer, mesh=mesh, state=state,
         target_state=target.state, grad_accum_steps=tcfg.grad_accum_steps,
-        anchor_chunk=tcfg.anchor_chunk, compute_dtype=compute_dtype)
+        anchor_chunk=tcfg.anchor_chunk, compute_dtype=dtype)
     schedule = train_step.learning_rate_schedule(tcfg, steps)
 
     manager = ocp.CheckpointManager(

@@ -31,3 +31,19 @@ def test_greedy_speculative_equals_autoregressive(smollm2, overrides):
     for a, s in zip(ar, sp):
         assert s.token_ids == a.token_ids
         assert s.stats["rounds"] >= 1 and s.stats["tau"] >= 1.0
+
+
+def test_packaged_trained_drafter(smollm2):
+    """The trained DSpark drafter shipped with the package: greedy output still equals
+    autoregressive output, and it is accepted more often than an untrained drafter."""
+    prompts = first_turns()
+    trained = dspark_jax.load_drafter("dspark-smollm2-135m", smollm2)
+    untrained = dspark_jax.init_drafter(smollm2, trained.config, seed=0)
+    ar = dspark_jax.generate(smollm2, prompts, max_new_tokens=48)
+    taus = {}
+    for name, drafter in (("trained", trained), ("untrained", untrained)):
+        sp = dspark_jax.generate(smollm2, prompts, max_new_tokens=48, drafter=drafter)
+        assert [s.token_ids for s in sp] == [a.token_ids for a in ar]
+        counters = dspark_jax.generation.sum_counters([s.stats["counters"] for s in sp])
+        taus[name] = counters["tau_sum"] / counters["rounds"]
+    assert taus["trained"] > taus["untrained"] + 0.05, taus

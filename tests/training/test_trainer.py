@@ -132,3 +132,20 @@ def test_two_processes_run_the_same_steps(setup):
         assert p.returncode == 0, out[-3000:]
     steps = losses(root / "mp")  # process 0 logs the global metrics
     assert sorted(steps) == [1, 2, 3] and all(np.isfinite(v) for v in steps.values())
+
+
+def test_heldout_metrics_of_the_trained_drafter(setup, uninterrupted):
+    from dspark_jax.experiment import load_config
+    from dspark_jax.training.heldout import heldout_metrics
+
+    root, config_path = setup
+    config = load_config(config_path)
+    target = dspark_jax.load_target(root / "target")
+    trained = dspark_jax.load_drafter(uninterrupted / "drafter", target)
+    start = dspark_jax.init_drafter(target, config, seed=config.train.seed)
+    after = heldout_metrics(trained, root / "data", config.train, progress=False)
+    before = heldout_metrics(start, root / "data", config.train, progress=False)
+    assert after["batches"] == before["batches"] >= 1
+    assert after["valid_blocks"] == before["valid_blocks"] > 0  # the same anchors
+    assert after["loss"] < before["loss"]
+    assert heldout_metrics(trained, root / "data", config.train, progress=False) == after

@@ -1,0 +1,210 @@
+"""Sequential Temperature Scaling of the confidence head (spec section 8, paper Sec. 3.2.1).
+
+Each position ``k`` gets a temperature ``T_k > 0`` and a calibrated per-step confidence
+``c_k = sigmoid(z_k / T_k)``.  STS fits them left to right on a fitting split: for
+``k = 0..P-1`` a 1-D grid search picks the ``T_k`` minimising the ECE of the cumulative
+product ``prod_{j <= k} c_j`` against the realised survival, with ``T_0..T_{k-1}`` fixed.
+Temperature scaling is monotone, so the ranking of each position's per-step confidences is
+unchanged (position 0's AUROC is exactly preserved; later positions' cumulative products mix
+several temperatures, so their AUROC can move slightly).
+
+The temperatures live in ``calibration.json`` beside a drafter checkpoint folder::
+
+    {"confidence_temperatures": [T_0, ..., T_{P-1}], "fit": {...}}
+
+where ``fit`` records how they were obtained (see :func:`calibrate`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_jax.evaluation.metrics import (
+    DEFAULT_NUM_BINS,
+    _log_sigmoid,
+    confidence_metrics,
+    expected_calibration_error,
+    survival_labels,
+)
+from dspark_jax.evaluation.trace import AcceptanceTrace, split_by_request
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "DEFAULT_TEMPERATURE_GRID",
+    "Calibration",
+    "calibrate",
+    "calibration_report",
+    "fit_sts",
+    "load_calibration",
+    "save_calibration",
+    "scale_logits",
+    "scale_trace",
+]
+
+CALIBRATION_FILE = "calibration.json"
+# 401 log-spaced temperatures from 1/20 to 20 (the middle one is 1).
+DEFAULT_TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 401)
+
+
+def _check_temperatures(temperatures, block_size: int | None = None) -> np.ndarray:
+    """float64 ``[P]`` finite positive temperatures (``P == block_size`` when given)."""
+    t = np.asarray(temperatures, np.float64)
+    if t.ndim != 1 or t.size == 0:
+        raise ValueError(f"temperatures must be a non-empty 1-D array, got shape {t.shape}")
+    if block_size is not None and t.size != block_size:
+        raise ValueError(f"{t.size} temperatures for a block of {block_size} proposals")
+    if not np.all(np.isfinite(t) & (t > 0)):
+        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
+    return t
+
+
+def scale_logits(confidence_logits, temperatures) -> np.ndarray:
+    """float32 ``[..., P]``: ``z / T`` (then ``c = sigmoid(z / T)``).
+
+    Args:
+      confidence_logits: float ``[..., P]``.
+      temperatures: float ``[P]``, finite and positive.
+    """
+    z = np.asarray(confidence_logits, np.float32)
+    if z.ndim == 0:
+        raise ValueError("confidence_logits must have a trailing position axis [..., P]")
+    t = _check_temperatures(temperatures, z.shape[-1])
+    return (z / t.astype(np.float32)).astype(np.float32)
+
+
+def scale_trace(trace: AcceptanceTrace, temperatures) -> AcceptanceTrace:
+    """The same trace with calibrated logits ``z / T`` (for any metric of this package)."""
+    trace.validate()
+    return trace._replace(confidence_logits=scale_logits(trace.confidence_logits, temperatures))
+
+
+def fit_sts(trace: AcceptanceTrace, grid: Sequence[float] = DEFAULT_TEMPERATURE_GRID,
+            num_bins: int = DEFAULT_NUM_BINS) -> np.ndarray:
+    """Sequential Temperature Scaling on a fitting split.
+
+    For ``k = 0..P-1``: ``T_k = argmin_{T in grid} ECE(prod_{j < k} c_j * sigmoid(z_k / T))``
+    with the earlier ``c_j`` already calibrated.  Among equal minima the temperature closest to
+    1 (in log scale) wins, so a position without signal keeps its raw confidences.
+
+    Args:
+      trace: ``n`` rounds of ``P`` raw logits (the fitting split; never the evaluation split).
+      grid: ``[G]`` candidate temperatures, finite and positive.
+      num_bins: ECE bins.
+
+    Returns:
+      float64 ``[P]`` temperatures.
+    """
+    trace.validate()
+    grid = _check_temperatures(grid)
+    preference = np.argsort(np.abs(np.log(grid)), kind="stable")  # closest to T = 1 first
+    z = trace.confidence_logits.astype(np.float64)
+    labels = survival_labels(trace)
+    prefix = np.zeros(trace.num_rounds)  # log prod_{j < k} c_j
+    temperatures = np.empty(trace.block_size)
+    for k in range(trace.block_size):
+        eces = np.array([
+            expected_calibration_error(np.exp(prefix + _log_sigmoid(z[:, k] / t)), labels[:, k],
+                                       num_bins)
+            for t in grid[preference]])
+        temperatures[k] = grid[preference][int(np.argmin(eces))]
+        prefix = prefix + _log_sigmoid(z[:, k] / temperatures[k])
+    return temperatures
+
+
+def calibration_report(trace: AcceptanceTrace, temperatures,
+                       num_bins: int = DEFAULT_NUM_BINS) -> dict:
+    """ECE / AUROC / Brier per position before and after applying ``temperatures``.
+
+    Pass a split NOT used for fitting.
+
+    Returns:
+      ``{"before": PositionMetrics.to_dict(), "after": PositionMetrics.to_dict()}``.
+    """
+    return {"before": confidence_metrics(trace, num_bins).to_dict(),
+            "after": confidence_metrics(scale_trace(trace, temperatures), num_bins).to_dict()}
+
+
+def calibrate(trace: AcceptanceTrace, fit_fraction: float = 0.5, seed: int = 0,
+              grid: Sequence[float] = DEFAULT_TEMPERATURE_GRID,
+              num_bins: int = DEFAULT_NUM_BINS) -> tuple[np.ndarray, dict]:
+    """Fits STS on a seeded request split and reports on the other (held-out) part.
+
+    Args:
+      trace: the full trace (several requests; see :func:`split_by_request`).
+      fit_fraction: share of the requests used for fitting.
+      seed: split seed.
+      grid, num_bins: as in :func:`fit_sts`.
+
+    Returns:
+      (float64 ``[P]`` temperatures, ``fit`` dict for ``calibration.json`` with keys
+      ``method, seed, fit_fraction, num_bins, fit_rounds, heldout_rounds, heldout`` where
+      ``heldout`` is :func:`calibration_report` on the held-out split).
+    """
+    fit_part, heldout = split_by_request(trace, fit_fraction, seed)
+    temperatures = fit_sts(fit_part, grid, num_bins)
+    fit = {"method": "sts", "seed": int(seed), "fit_fraction": float(fit_fraction),
+           "num_bins": int(num_bins), "fit_rounds": fit_part.num_rounds,
+           "heldout_rounds": heldout.num_rounds,
+           "heldout": calibration_report(heldout, temperatures, num_bins)}
+    return temperatures, fit
+
+
+class Calibration(NamedTuple):
+    """Contents of ``calibration.json``."""
+
+    temperatures: np.ndarray  # float64 [P]
+    fit: dict
+
+
+def _calibration_path(path) -> Path:
+    path = Path(path)
+    return path / CALIBRATION_FILE if path.is_dir() else path
+
+
+def calibration_text(temperatures, fit: dict | None = None) -> str:
+    """The contents of ``calibration.json`` for temperatures ``[P]`` and a fit record."""
+    payload = {"confidence_temperatures": _check_temperatures(temperatures).tolist(),
+               "fit": {} if fit is None else fit}
+    return json.dumps(payload, indent=2, allow_nan=False) + "\n"
+
+
+def save_calibration(folder, temperatures, fit: dict | None = None) -> Path:
+    """Writes ``folder/calibration.json`` atomically; returns its path.
+
+    Args:
+      folder: the drafter checkpoint folder (must exist).
+      temperatures: float ``[P]``, finite and positive.
+      fit: JSON-serialisable record of the fit (e.g. from :func:`calibrate`).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder {folder}")
+    path = folder / CALIBRATION_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(calibration_text(temperatures, fit))
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(path) -> Calibration:
+    """Reads ``calibration.json`` from a checkpoint folder or a direct file path.
+
+    Raises:
+      FileNotFoundError: no calibration file.
+      ValueError: malformed file or invalid temperatures.
+    """
+    path = _calibration_path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CALIBRATION_FILE} at {path}")
+    try:
+        payload = json.loads(path.read_text())
+        temperatures = payload["confidence_temperatures"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a calibration file: {err!r}") from err
+    return Calibration(_check_temperatures(temperatures), dict(payload.get("fit") or {}))

@@ -1,0 +1,196 @@
+"""The acceptance benchmark (``dspark-jax eval``): tau and acceptance per benchmark and domain.
+
+Benchmarks are the reference's nine prompt sets in the ``{"turns": [...]}`` JSONL form (first
+turn only, chat template with thinking disabled), capped as the reference does (a set larger
+than its cap is shuffled with seed 980406 and cut; DSPARK_SPEC.md section 7), then optionally
+limited to its first ``limit`` prompts. Every drafter decodes the same prompts with full-block
+verification, recording the per-round trace for the confidence metrics.
+
+Output folder layout (resumable: a finished benchmark is never run again)::
+
+    <output>/<label>/<bench>.json     statistics of one drafter on one benchmark
+    <output>/<label>/<bench>.npz      its AcceptanceTrace (request ids = prompt index)
+    <output>/report.json, report.md   every drafter side by side (paper Table 1 layout)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from dspark_jax.drafter import Drafter
+from dspark_jax.evaluation.trace import AcceptanceTrace
+from dspark_jax.generation import generate, stats_from_counters, sum_counters
+from dspark_jax.target import Target
+
+EVAL_SEED = 980406
+# name: (domain, cap) from the reference evaluation.
+BENCHMARKS = {
+    "gsm8k": ("math", 500), "math500": ("math", 500), "aime25": ("math", 30),
+    "humaneval": ("code", 164), "mbpp": ("code", 256), "livecodebench": ("code", 500),
+    "mt-bench": ("chat", 80), "alpaca": ("chat", 500), "arena-hard-v2": ("chat", 500),
+}
+DOMAINS = ("math", "code", "chat")
+
+
+def default_data_dir() -> Path | None:
+    """``../shared/data/eval`` beside the working directory or the source checkout, if any."""
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        folder = root.parent / "shared" / "data" / "eval"
+        if folder.is_dir():
+            return folder
+    return None
+
+
+def load_benchmark(name: str, data_dir: str | Path | None = None,
+                   limit: int | None = None) -> list[str]:
+    """The first-turn prompts of a benchmark after the reference's cap and seeded shuffle.
+
+    Raises:
+      ValueError: unknown benchmark, missing file or no data folder.
+    """
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    if folder is None:
+        raise ValueError("no evaluation data folder: pass --data-dir (the folder of "
+                         "gsm8k.jsonl, humaneval.jsonl, ...)")
+    path = folder / f"{name}.jsonl"
+    if not path.is_file():
+        raise ValueError(f"benchmark file {path} not found")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            record = json.loads(line)
+            turns = record.get("turns")
+            if not turns or not isinstance(turns[0], str):
+                raise ValueError(f"{path}:{number}: expected a non-empty 'turns' list of strings")
+            prompts.append(turns[0])
+    cap = BENCHMARKS[name][1]
+    if len(prompts) > cap:
+        random.Random(EVAL_SEED).shuffle(prompts)
+        prompts = prompts[:cap]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def run_benchmark(target: Target, drafter: Drafter, prompts: Sequence[str], *,
+                  max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                  top_k: int = 0, batch_size: int = 8, seed: int = EVAL_SEED,
+                  desc: str = "eval", progress: bool = True) -> tuple[dict, AcceptanceTrace]:
+    """Decodes ``prompts`` in batches with full-block verification.
+
+    Returns:
+      (statistics: ``generation.stats_from_counters`` of all requests plus num_prompts,
+      new_tokens, wall_s, tokens_per_s; the AcceptanceTrace of every round).
+    """
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    counters, logits, accepted, requests = [], [], [], []
+    new_tokens, wall = 0, 0.0
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
+    for start in range(0, len(prompts), batch_size):
+        batch = list(prompts[start:start + batch_size])
+        results = generate(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p, top_k=top_k, seed=seed + start, drafter=drafter,
+                           verify="full", record=True)
+        wall += results[0].stats["wall_s"]
+        for index, result in enumerate(results, start):
+            counters.append(result.stats["counters"])
+            new_tokens += result.stats["new_tokens"]
+            logits.append(result.trace["confidence_logits"])
+            accepted.append(result.trace["num_accepted"])
+            requests.append(np.full(len(result.trace["num_accepted"]), index))
+        bar.update(len(batch))
+    bar.close()
+    stats = stats_from_counters(sum_counters(counters))
+    stats.update(num_prompts=len(prompts), new_tokens=new_tokens, wall_s=wall,
+                 tokens_per_s=new_tokens / wall if wall else None)
+    trace = AcceptanceTrace.create(np.concatenate(logits), np.concatenate(accepted),
+                                   np.concatenate(requests))
+    return stats, trace
+
+
+def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[str],
+             output_dir: str | Path, *, data_dir: str | Path | None = None,
+             limit: int | None = None, progress: bool = True, **decode) -> dict:
+    """Runs every drafter on every benchmark (resumable) and writes the side-by-side report.
+
+    Args:
+      drafters: {label: drafter}; the label names the output subfolder and the table row.
+      benches: names from ``BENCHMARKS``.
+      limit: first N prompts of each benchmark after the cap (None: all).
+      **decode: ``run_benchmark`` settings (max_new_tokens, temperature, batch_size, ...).
+
+    Returns:
+      The report: {"settings", "results": {label: {bench: statistics}}}.
+    """
+    output = Path(output_dir)
+    settings = dict(decode, limit=limit)  # a finished benchmark with these is reused
+    results = {}
+    for label, drafter in drafters.items():
+        folder = output / label
+        folder.mkdir(parents=True, exist_ok=True)
+        results[label] = {}
+        for bench in benches:
+            path = folder / f"{bench}.json"
+            if path.exists() and json.loads(path.read_text()).get("settings") == settings:
+                results[label][bench] = json.loads(path.read_text())["stats"]
+                continue
+            prompts = load_benchmark(bench, data_dir, limit)
+            started = time.perf_counter()
+            stats, trace = run_benchmark(target, drafter, prompts, desc=f"{label} {bench}",
+                                         progress=progress, **decode)
+            stats["elapsed_s"] = time.perf_counter() - started
+            trace.save(folder / f"{bench}.npz")
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(dict(settings=settings, stats=stats), indent=2))
+            tmp.replace(path)
+            results[label][bench] = stats
+    report = dict(settings=dict(settings, benches=list(benches)), results=results)
+    (output / "report.json").write_text(json.dumps(report, indent=2))
+    (output / "report.md").write_text(markdown_table(report))
+    return report
+
+
+def domain_means(stats: Mapping[str, dict], key: str = "tau") -> dict[str, float]:
+    """Macro averages of ``key`` over the benchmarks of each domain present, and over all."""
+    out = {}
+    for domain in DOMAINS:
+        values = [s[key] for b, s in stats.items() if BENCHMARKS[b][0] == domain]
+        if values:
+            out[domain] = float(np.mean(values))
+    out["all"] = float(np.mean([s[key] for s in stats.values()]))
+    return out
+
+
+def markdown_table(report: dict) -> str:
+    """tau per benchmark and macro averages per domain, one row per drafter, then each
+    drafter's conditional acceptance per position (all benchmarks pooled)."""
+    results = report["results"]
+    benches = report["settings"]["benches"]
+    domains = [d for d in DOMAINS if any(BENCHMARKS[b][0] == d for b in benches)] + ["all"]
+    lines = ["| drafter | " + " | ".join(benches) + " | " + " | ".join(
+        f"mean {d}" for d in domains) + " |", "|---" * (1 + len(benches) + len(domains)) + "|"]
+    for label, stats in results.items():
+        means = domain_means(stats)
+        lines.append(f"| {label} | " + " | ".join(f"{stats[b]['tau']:.2f}" for b in benches)
+                     + " | " + " | ".join(f"{means[d]:.2f}" for d in domains) + " |")
+    lines += ["", "Pooled over the benchmarks: proposal length, verify rate, tokens/s and the "
+              "conditional acceptance at positions 1..P.", "",
+              "| drafter | proposal len | verify rate | tokens/s | conditional acceptance |",
+              "|---|---|---|---|---|"]
+    for label, stats in results.items():
+        pooled = stats_from_counters(sum_counters([s["counters"] for s in stats.values()]))
+        tokens = sum(s["new_tokens"] for s in stats.values())
+        wall = sum(s["wall_s"] for s in stats.values())
+        cond = ", ".join("-" if c is None else f"{c:.2f}"
+                         for c in pooled["conditional_acceptance"])
+        lines.append(f"| {label} | {pooled['proposal_len']:.2f} | {pooled['verify_rate']:.3f} | "
+                     f"{tokens / wall:.1f} | {cond} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,105 @@
+"""The target decoder over a flat list of tokens from many cache rows (continuous batching).
+
+A serving step verifies a different number of tokens for each request. Instead of padding every
+request to the longest one, the tokens of all requests are laid out one after another in a flat
+vector of T tokens, each with its cache row (the request's slot) and its position: the paper's
+"marker tensor". Embeddings, projections, MLPs and the LM head then cost O(T), the sum of the
+verified tokens.
+
+Attention is the only part that needs the rows: each layer scatters the flat queries, keys and
+values into an [S, Q] grid (row, column within the row), attends per row over the row's
+committed cache slots plus its own new tokens (causal by column), and gathers the result back
+to the flat layout. Every row's cache is read once, as in a dense batch.
+
+Shapes: T flat tokens, S cache rows, Q columns per row, N cache slots per row, L layers,
+H query heads, K kv heads, D head dim, d hidden size, m taps.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models.decoder import Decoder
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.layers import attend
+
+
+class RaggedOutput(NamedTuple):
+    hidden: jax.Array  # [T, d] after the final norm
+    taps: jax.Array | None  # [T, m*d] raw outputs of the tapped layers, in tap order
+    new_k: jax.Array  # [L, S, Q, K, D] keys of the new tokens in the row grid (zeros elsewhere)
+    new_v: jax.Array  # [L, S, Q, K, D]
+
+
+def _to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width: int):
+    """[T, ...] -> [S, Q, ...]; tokens with rows >= S (padding) are dropped."""
+    grid = jnp.zeros((num_rows, width) + x.shape[1:], x.dtype)
+    return grid.at[rows, cols].set(x, mode="drop")
+
+
+def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows: jax.Array,
+                   cols: jax.Array, starts: jax.Array, cache: KVCache, *, width: int,
+                   tap_layer_ids: tuple[int, ...] = ()) -> RaggedOutput:
+    """Runs the decoder on flat tokens that extend the rows of ``cache``.
+
+    Args:
+      model: the target decoder.
+      tokens, positions: int [T]; the tokens of one row must have consecutive positions
+        starts[row] + col.
+      rows: int [T] cache row of each token (>= S marks padding: it sees and writes nothing).
+      cols: int [T] column of each token within its row, in 0..width-1.
+      starts: int [S] committed length of each row: a new token sees cache slots < starts[row].
+      cache: k/v [L, S, N, K, D], only read (the new entries come back in the grid layout).
+      width: Q, the static number of columns of the grid.
+      tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
+
+    Returns:
+      RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
+    """
+    num_rows, num_slots = cache.k.shape[1], cache.k.shape[2]
+    num_layers = model.cfg.num_hidden_layers
+    for layer_id in tap_layer_ids:
+        if not -1 <= layer_id < num_layers:
+            raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
+    h = model.embed(tokens[None])  # [1, T, d]
+    cos, sin = model.rope(positions[None])
+    cached = jnp.arange(num_slots)[None, None, :] < starts[:, None, None]
+    causal = jnp.arange(width)[None, :] <= jnp.arange(width)[:, None]
+    mask = jnp.concatenate([jnp.broadcast_to(cached, (num_rows, width, num_slots)),
+                            jnp.broadcast_to(causal, (num_rows, width, width))], axis=-1)
+    tap_ids = jnp.asarray(tap_layer_ids, jnp.int32)
+    taps = None
+    if tap_layer_ids:
+        taps = jnp.where((tap_ids == -1)[:, None, None, None], h[None],
+                         jnp.zeros((len(tap_layer_ids),) + h.shape, h.dtype))
+    safe_rows = jnp.minimum(rows, num_rows - 1)
+    graphdef, layer_state = nnx.split(model.layers)
+
+    def step(carry, xs):
+        h, taps = carry
+        state, index, k_cache, v_cache = xs
+        layer = nnx.merge(graphdef, state)
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.queries(x, cos, sin)[0]
+        k_new, v_new = (t[0] for t in attn.keys_values(x, cos, sin))
+        k_grid = _to_grid(k_new, rows, cols, num_rows, width)
+        v_grid = _to_grid(v_new, rows, cols, num_rows, width)
+        k = jnp.concatenate([k_cache.astype(k_new.dtype), k_grid], axis=1)
+        v = jnp.concatenate([v_cache.astype(v_new.dtype), v_grid], axis=1)
+        out = attend(_to_grid(q, rows, cols, num_rows, width), k, v, mask)[safe_rows, cols]
+        h = h + attn.output(out[None])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if taps is not None:
+            taps = jnp.where((tap_ids == index)[:, None, None, None], h[None], taps)
+        return (h, taps), (k_grid, v_grid)
+
+    (h, taps), (new_k, new_v) = jax.lax.scan(
+        step, (h, taps), (layer_state, jnp.arange(num_layers), cache.k, cache.v))
+    if taps is not None:
+        taps = jnp.moveaxis(taps[:, 0], 0, 1).reshape(tokens.shape[0], -1)
+    return RaggedOutput(model.norm(h)[0], taps, new_k, new_v)

@@ -1,0 +1,160 @@
+"""serve-bench: throughput and verification budget against concurrency, per policy (paper Fig. 8).
+
+For each concurrency C an engine with C slots replays the same prompts closed-loop
+(``loadgen.closed_loop``) once per policy. Policy specs:
+
+* ``full``, ``prefix``, ``production``: the verification policies of the same name; the two
+  schedulers read the engine's measured steps/s table (``Engine.profile_sps``, cached);
+* ``fixed<G>`` (e.g. ``fixed1``, the MTP-1 analogue): G drafts per request per step;
+* ``threshold<T>`` (e.g. ``threshold0.5``): the reference's static truncation;
+* ``fixed-best``: every fixed G in 1..P, reporting the best aggregate throughput at each C.
+
+Reported per (policy, C): aggregate tokens/s, tokens/s per user, mean verification budget per
+request per step, tau, mean forward tokens per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dspark_jax.serving.engine import Engine
+from dspark_jax.serving.loadgen import closed_loop
+
+SPS_POLICIES = ("prefix", "production")
+
+
+def parse_policy(spec: str, proposals: int) -> list[tuple[str, dict]]:
+    """The (policy, params) runs of one policy spec (several for ``fixed-best``).
+
+    Raises:
+      ValueError: an unknown spec or a gamma outside 1..P.
+    """
+    if spec in ("full",) + SPS_POLICIES:
+        return [(spec, {})]
+    if spec == "fixed-best":
+        return [("fixed", {"gamma": g}) for g in range(1, proposals + 1)]
+    match = re.fullmatch(r"fixed(\d+)", spec)
+    if match:
+        gamma = int(match.group(1))
+        if not 1 <= gamma <= proposals:
+            raise ValueError(f"{spec}: gamma must be in 1..{proposals}")
+        return [("fixed", {"gamma": gamma})]
+    match = re.fullmatch(r"threshold([0-9.]+)", spec)
+    if match:
+        return [("threshold", {"threshold": float(match.group(1))})]
+    raise ValueError(f"unknown policy spec {spec!r}: use full, prefix, production, fixed<G>, "
+                     "fixed-best or threshold<T>")
+
+
+def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: Sequence[str],
+                concurrency: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0, seed: int = 0, buckets=None,
+                sps_repeats: int = 10, sps_warmup: int = 3, refresh_sps: bool = False,
+                progress: Callable[[str], None] = print) -> dict:
+    """Runs every policy at every concurrency on the same prompts.
+
+    Returns:
+      {"config": ..., "rows": [one dict per (policy spec, C)], "sps": {C: profile JSON}}; a
+      fixed-best row carries the chosen ``gamma`` and the whole ``sweep``.
+    """
+    proposals = drafter.config.block_size - drafter.model.first_proposal_slot
+    runs = {spec: parse_policy(spec, proposals) for spec in policies}
+    max_prompt_len = max(len(p) for p in prompts)
+    max_len = max_prompt_len + max_new_tokens
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    rows, profiles = [], {}
+    for users in concurrency:
+        engine = Engine(target, drafter, slots=users, max_len=max_len, buckets=buckets, seed=seed)
+        table = None
+        if any(spec in SPS_POLICIES for spec in policies):
+            progress(f"C={users}: profiling steps/s over buckets {list(engine.buckets)}")
+            profile = engine.profile_sps(repeats=sps_repeats, warmup=sps_warmup,
+                                         refresh=refresh_sps)
+            profiles[users] = profile.to_json()
+            table = profile.table().tolist()
+        for spec, variants in runs.items():
+            results = []
+            for policy, params in variants:
+                if policy in SPS_POLICIES:
+                    params = dict(params, sps=table)
+                engine.set_policy(policy, params)
+                compile_s = engine.compile(max_prompt_len)
+                result = dataclasses.asdict(closed_loop(engine, prompts, concurrency=users,
+                                                        max_new_tokens=max_new_tokens, **sampling))
+                result.update(policy=spec, compile_s=compile_s,
+                              gamma=params.get("gamma") if policy == "fixed" else None)
+                results.append(result)
+                progress(f"C={users} {spec} {policy} {params.get('gamma', '')}: "
+                         f"{result['tokens_per_s']:.1f} tok/s, tau {result['tau']:.2f}, "
+                         f"budget {result['mean_budget']:.2f}")
+            best = max(results, key=lambda r: r["tokens_per_s"])
+            if spec == "fixed-best":
+                best = dict(best, sweep=[{k: r[k] for k in ("gamma", "tokens_per_s", "tau")}
+                                         for r in results])
+            rows.append(best)
+        del engine
+    config = dict(policies=list(policies), concurrency=list(concurrency), prompts=len(prompts),
+                  max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, **sampling)
+    return dict(config=config, rows=rows, sps=profiles)
+
+
+COLUMNS = (("policy", "policy", "{}"), ("C", "concurrency", "{}"),
+           ("tokens/s", "tokens_per_s", "{:.1f}"),
+           ("tokens/s/user", "tokens_per_s_per_user", "{:.1f}"),
+           ("budget/req/step", "mean_budget", "{:.2f}"), ("tau", "tau", "{:.2f}"),
+           ("B/step", "mean_verified_tokens", "{:.1f}"), ("gamma", "gamma", "{}"))
+
+
+def markdown_table(result: dict) -> str:
+    lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for row in result["rows"]:
+        lines.append("| " + " | ".join("-" if row[k] is None else fmt.format(row[k])
+                                       for _, k, fmt in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_bench(result: dict, path: str | Path) -> Path:
+    """PNG: aggregate tokens/s, tokens/s per user and budget per request against concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = (("tokens_per_s", "aggregate tokens/s"),
+              ("tokens_per_s_per_user", "tokens/s per user"),
+              ("mean_budget", "verification budget / request / step"))
+    for spec in result["config"]["policies"]:
+        rows = sorted((r for r in result["rows"] if r["policy"] == spec),
+                      key=lambda r: r["concurrency"])
+        for ax, (key, _) in zip(axes, panels):
+            ax.plot([r["concurrency"] for r in rows], [r[key] for r in rows], "o-", label=spec)
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (users)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(result: dict, output_dir: str | Path) -> dict[str, Path]:
+    """serve_bench.json, serve_bench.md and serve_bench.png under ``output_dir``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = dict(json=out / "serve_bench.json", markdown=out / "serve_bench.md",
+                 plot=out / "serve_bench.png")
+    paths["json"].write_text(json.dumps(result, indent=1))
+    paths["markdown"].write_text(markdown_table(result))
+    plot_bench(result, paths["plot"])
+    return paths

@@ -1,0 +1,94 @@
+"""The acceptance benchmark runner: benchmark files, caps, resumability, report == generate."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+import dspark_jax
+from dspark_jax.evaluation import AcceptanceTrace, suite
+from dspark_jax.generation import stats_from_counters, sum_counters
+from dspark_jax.target import init_target
+
+CONFIG = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32,
+              intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, eos_token_id=3, max_position_embeddings=512)
+PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23], [17], [6, 6, 7], [30, 31]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = init_target(CONFIG, seed=1)
+    return target, dspark_jax.init_drafter(target, seed=2)
+
+
+def test_load_benchmark_caps_with_the_seeded_shuffle(tmp_path):
+    lines = [json.dumps({"turns": [f"q{i}", "second turn"]}) for i in range(40)]
+    (tmp_path / "aime25.jsonl").write_text("\n".join(lines) + "\n")
+    expected = [f"q{i}" for i in range(40)]
+    random.Random(suite.EVAL_SEED).shuffle(expected)
+    assert suite.load_benchmark("aime25", tmp_path) == expected[:30]  # cap 30
+    assert suite.load_benchmark("aime25", tmp_path, limit=5) == expected[:5]
+    (tmp_path / "mt-bench.jsonl").write_text('{"turns": ["a", "b"]}\n{"turns": ["c"]}\n')
+    assert suite.load_benchmark("mt-bench", tmp_path) == ["a", "c"]  # under the cap: in order
+    with pytest.raises(ValueError, match="unknown benchmark 'gsm9k'"):
+        suite.load_benchmark("gsm9k", tmp_path)
+    with pytest.raises(ValueError, match="humaneval.jsonl not found"):
+        suite.load_benchmark("humaneval", tmp_path)
+    (tmp_path / "mbpp.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="mbpp.jsonl:1"):
+        suite.load_benchmark("mbpp", tmp_path)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_report_equals_the_statistics_of_generate(pair, temperature):
+    target, drafter = pair
+    stats, trace = suite.run_benchmark(target, drafter, PROMPTS, max_new_tokens=16,
+                                       temperature=temperature, batch_size=2, seed=7,
+                                       progress=False)
+    counters, rounds = [], 0
+    for start in range(0, len(PROMPTS), 2):
+        for r in dspark_jax.generate(target, PROMPTS[start:start + 2], max_new_tokens=16,
+                                     temperature=temperature, seed=7 + start, drafter=drafter):
+            counters.append(r.stats["counters"])
+            rounds += r.stats["rounds"]
+    direct = stats_from_counters(sum_counters(counters))
+    for key in ("tau", "rounds", "accepted", "proposal_len", "verify_rate", "accept_rate_at_k",
+                "conditional_acceptance", "counters"):
+        assert stats[key] == direct[key], key
+    assert trace.num_rounds == rounds and stats["num_prompts"] == len(PROMPTS)
+    assert sorted(set(trace.request_ids.tolist())) == list(range(len(PROMPTS)))
+    assert int(trace.num_accepted.sum()) == stats["accepted"]
+
+
+def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch):
+    target, drafter = pair
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("gsm8k", "mt-bench"):
+        (data / f"{name}.jsonl").write_text("".join(
+            json.dumps({"turns": [f"{name} {i}"]}) + "\n" for i in range(3)))
+    monkeypatch.setattr(suite, "load_benchmark", lambda name, data_dir, limit: PROMPTS[:limit])
+    settings = dict(max_new_tokens=8, batch_size=4)
+    report = suite.evaluate(target, {"dspark": drafter, "other": drafter}, ["gsm8k", "mt-bench"],
+                            tmp_path / "out", data_dir=data, limit=3, progress=False, **settings)
+    assert set(report["results"]) == {"dspark", "other"}
+    trace = AcceptanceTrace.load(tmp_path / "out" / "dspark" / "gsm8k.npz")
+    assert trace.num_rounds == report["results"]["dspark"]["gsm8k"]["rounds"]
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| dspark |" in table and "mean math" in table and "mean chat" in table
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a finished benchmark ran again")
+
+    monkeypatch.setattr(suite, "run_benchmark", fail)
+    again = suite.evaluate(target, {"dspark": drafter}, ["gsm8k"], tmp_path / "out",
+                           data_dir=data, limit=3, progress=False, **settings)
+    assert again["results"]["dspark"]["gsm8k"] == report["results"]["dspark"]["gsm8k"]
+
+
+def test_domain_means():
+    stats = {"gsm8k": {"tau": 2.0}, "math500": {"tau": 4.0}, "mt-bench": {"tau": 1.0}}
+    assert suite.domain_means(stats) == {"math": 3.0, "chat": 1.0, "all": pytest.approx(7 / 3)}
+    assert np.isclose(suite.domain_means(stats)["all"], 7 / 3)

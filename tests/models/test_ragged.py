@@ -1,0 +1,47 @@
+"""The flat (ragged) decoder forward equals the batched forward through a KV cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.ragged import ragged_forward
+from dspark_jax.target import init_target
+
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def test_ragged_forward_matches_batched_decoder():
+    target = init_target(QWEN3, seed=3)
+    model = target.model
+    rng = np.random.default_rng(0)
+    slots, width, rows = 32, 4, 3
+    starts = np.array([5, 0, 9])  # row 1 is empty: it gets no token
+    counts = np.array([3, 0, 4])
+    history = rng.integers(0, 48, (rows, slots))
+    new = rng.integers(0, 48, (rows, width))
+    cfg = model.cfg
+    cache = KVCache.zeros(cfg.num_hidden_layers, rows, slots, cfg.num_key_value_heads, cfg.head_dim,
+                          jnp.float32)
+    # Fill each row's history with a plain prefill; the batched reference then extends it.
+    positions = jnp.broadcast_to(jnp.arange(slots), (rows, slots))
+    cache = model(jnp.asarray(history), positions, cache=cache).cache
+    ref_pos = jnp.asarray(starts[:, None] + np.arange(width))
+    ref = model(jnp.asarray(new), ref_pos, cache=cache, tap_layer_ids=(-1, 1), write_cache=False)
+
+    flat_rows = np.concatenate([np.full(c, r) for r, c in enumerate(counts)] + [[rows, rows]])
+    flat_cols = np.concatenate([np.arange(c) for c in counts] + [[0, 0]])
+    tokens = new[np.minimum(flat_rows, rows - 1), flat_cols]
+    flat_pos = starts[np.minimum(flat_rows, rows - 1)] + flat_cols
+    forward = jax.jit(lambda *args: ragged_forward(model, *args, width=width, tap_layer_ids=(-1, 1)))
+    out = forward(jnp.asarray(tokens), jnp.asarray(flat_pos), jnp.asarray(flat_rows),
+                  jnp.asarray(flat_cols), jnp.asarray(starts), cache)
+    real = flat_rows < rows
+    r, c = flat_rows[real], flat_cols[real]
+    np.testing.assert_allclose(out.hidden[real], ref.hidden[r, c], atol=1e-5)
+    np.testing.assert_allclose(out.taps[real], ref.taps[r, c], atol=1e-5)
+    k_ref = np.asarray(ref.new_kv[0])
+    for row, count in enumerate(counts):
+        np.testing.assert_allclose(out.new_k[:, row, :count], k_ref[:, row, :count], atol=1e-5)
+        assert not np.any(out.new_k[:, row, count:])

@@ -1,0 +1,29 @@
+"""The profile-sps and serve-bench subcommands on a tiny checkpoint."""
+
+import json
+
+from dspark_jax import cli
+from dspark_jax.target import init_target
+
+TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def test_profile_sps_writes_table_and_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))
+    init_target(TINY, seed=5).save_hf(tmp_path / "hf")
+    assert cli.main(["profile-sps", "--model", str(tmp_path / "hf"), "--drafter", "init",
+                     "--slots", "1", "--max-len", "32", "--buckets", "2", "--repeats", "2",
+                     "--warmup", "1", "--plot", str(tmp_path / "sps.png")]) == 0
+    out = capsys.readouterr().out
+    assert "B =     2 tokens" in out and "B =     8 tokens" in out
+    saved = json.loads(next((tmp_path / "cache" / "sps").glob("*.json")).read_text())
+    assert saved["grid"] == [2, 8] and len(saved["table"]) == 9 and saved["key"]["slots"] == 1
+    assert (tmp_path / "sps.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_serve_bench_needs_text_prompts(tmp_path, capsys):
+    init_target(TINY, seed=5).save_hf(tmp_path / "hf")
+    assert cli.main(["serve-bench", "--model", str(tmp_path / "hf"), "--drafter", "init",
+                     "--prompts", "2"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err

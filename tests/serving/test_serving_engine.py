@@ -1,0 +1,142 @@
+"""The continuous-batching engine on a tiny random target with an untrained drafter: greedy output
+equals autoregressive output for every policy with requests joining at different steps, mixed
+per-request sampling settings, compile counts and input errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dspark_jax
+from dspark_jax.serving import Engine, token_buckets
+from dspark_jax.serving import step as step_lib
+from dspark_jax.target import init_target
+
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             eos_token_id=3, max_position_embeddings=512)
+PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12, 14, 20, 21, 22, 30, 31, 32, 33], [17],
+           [2, 2, 2, 5, 6, 7, 8], [40, 41, 1, 9, 9, 13]]
+ARRIVALS = {0: [0, 1], 1: [2], 3: [3], 6: [4]}  # step -> prompts submitted before it
+MAX_NEW = 20
+SLOTS = 3  # fewer slots than requests: slots are reused
+BUCKETS = (4, 12)  # -> (4, 12, 24) flat verify tokens
+POLICIES = [("full", None), ("fixed", {"gamma": 2}), ("threshold", {"threshold": 0.5}),
+            ("prefix", {"sps": [1.0] * 9 + [0.6] * 16}),
+            ("production", {"sps": [1.0] * 6 + [0.7] * 6 + [0.4] * 13})]
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return init_target(QWEN3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def ar_reference(qwen3):
+    return [r.token_ids for r in dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=MAX_NEW)]
+
+
+@pytest.fixture(scope="module")
+def traced_widths():
+    """Token counts of every trace of the flat verify forward (one per bucket per program)."""
+    widths = []
+    original = step_lib.ragged_forward
+
+    def recording(model, tokens, *args, **kwargs):
+        widths.append(tokens.shape[0])
+        return original(model, tokens, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_lib, "ragged_forward", recording)
+        yield widths
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3, traced_widths):
+    drafter = dspark_jax.init_drafter(qwen3, seed=2)
+    return Engine(qwen3, drafter, slots=SLOTS, max_len=64, buckets=BUCKETS)
+
+
+def serve(engine, arrivals, sampling=None):
+    """Submits prompts at their arrival steps (``sampling``: per-prompt settings) and steps
+    until everything finished."""
+    requests, step = {}, 0
+    while step <= max(arrivals) or engine.busy:
+        for i in arrivals.get(step, []):
+            options = (sampling or {}).get(i, {})
+            requests[i] = engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW, **options)
+        engine.step()
+        step += 1
+    return [requests[i] for i in sorted(requests)]
+
+
+@pytest.mark.parametrize("policy,params", POLICIES)
+def test_greedy_equals_autoregressive_for_every_policy(engine, ar_reference, policy, params):
+    engine.set_policy(policy, params)
+    engine.reset_stats()
+    requests = serve(engine, ARRIVALS)
+    assert [r.tokens for r in requests] == ar_reference
+    for r in requests:
+        assert r.done and r.rounds >= 1 and r.tau >= 1.0
+        assert r.accepted <= r.proposed
+        # Every token after the first comes from a round; the last round may be cut.
+        assert len(r.tokens) - 1 <= r.tau_sum <= len(r.tokens) - 1 + engine.proposals
+    # Forward tokens per step = active requests + verified drafts, never above the top bucket.
+    assert engine.verified_tokens == engine.active_slot_steps + sum(r.proposed for r in requests)
+    assert set(engine.bucket_counts) <= set(engine.buckets)
+    if policy == "fixed":
+        assert all(r.proposed == 2 * r.rounds for r in requests)
+
+
+def test_mixed_sampling_settings_keep_greedy_requests_exact(engine, ar_reference):
+    """Sampled requests (temperature, top-p, top-k per slot) share steps with greedy ones."""
+    engine.set_policy("full")
+    sampled = {1: dict(temperature=1.0, top_p=0.9), 2: dict(temperature=0.7, top_k=5)}
+    requests = serve(engine, ARRIVALS, sampled)
+    for i, r in enumerate(requests):
+        if i not in sampled:
+            assert r.tokens == ar_reference[i]
+        assert 1 <= len(r.tokens) <= MAX_NEW
+
+
+def test_compiles_once_per_policy_and_prompt_bucket(engine, traced_widths):
+    """Run after the tests above: one step program per policy, one admission per prompt
+    bucket, and each step program traced the flat forward once per token bucket."""
+    steps = {key for key in engine._programs if key[0] == "step"}
+    admits = {key for key in engine._programs if key[0] == "admit"}
+    assert {key[1] for key in steps} == {p for p, _ in POLICIES} and len(steps) == len(POLICIES)
+    assert admits == {("admit", 16), ("admit", 32)}  # prompts of <= 16 and 17..32 tokens
+    assert engine.num_compiled == len(steps) + len(admits)
+    assert engine.buckets == (4, 12, 24)
+    assert sorted(traced_widths) == sorted(list(engine.buckets) * len(steps))
+
+
+def test_token_buckets():
+    assert token_buckets(64, 7) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert token_buckets(3, 7) == (1, 2, 4, 8, 16, 24)
+    assert token_buckets(2, 3, (3, 5, 100)) == (3, 5, 8)
+
+
+def test_flat_layout_is_the_marker_tensor():
+    lengths = jnp.asarray([2, 7, 0, 3])
+    active = jnp.asarray([True, False, True, True])
+    rows, cols, total = step_lib.flat_layout(lengths, active, 10)
+    assert int(total) == 3 + 1 + 4
+    np.testing.assert_array_equal(rows, [0, 0, 0, 2, 3, 3, 3, 3, 4, 4])
+    np.testing.assert_array_equal(cols, [0, 1, 2, 0, 0, 1, 2, 3, 0, 0])
+
+
+def test_input_errors(engine, qwen3):
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="does not fit the slot size max_len=64"):
+        engine.submit([1] * 60, max_new_tokens=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([1, 480], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit([1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="unknown verification policy"):
+        engine.set_policy("sometimes")
+    other = dspark_jax.init_drafter(init_target(QWEN3, seed=9))
+    with pytest.raises(ValueError, match="another target"):
+        Engine(qwen3, other, slots=2, max_len=32)
+    assert not engine.busy
