@@ -172,9 +172,20 @@ def measure_memory(args, anchors: int, mode: str) -> dict:
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     proc = subprocess.run(command, capture_output=True, text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("MEMORY ")]
+    if proc.returncode and "RESOURCE_EXHAUSTED" in proc.stderr:
+        message = next(l for l in proc.stderr.splitlines() if "RESOURCE_EXHAUSTED" in l)
+        return dict(anchors_per_row=anchors, mode=mode, out_of_memory=message.strip())
     if proc.returncode or not lines:
         raise RuntimeError(f"memory run ({anchors} anchors, {mode}) failed:\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("MEMORY "):])
+
+
+def memory_cells(result: dict) -> str:
+    """'XLA MiB | RSS MiB' of one memory run, or the failed allocation's size."""
+    if "out_of_memory" in result:
+        size = [w for w in result["out_of_memory"].split() if w.isdigit()]
+        return f"out of memory ({int(size[0]) / 2**30:.1f} GiB allocation) | -" if size else "out of memory | -"
+    return f"{result['xla']['total_bytes'] / 2**20:.1f} | {result['step_peak_rss_mib']:.1f}"
 
 
 def throughput(args, target, drafter, tcfg, feature_dir) -> dict:
@@ -275,8 +286,8 @@ def main():
     for anchors in args.anchors:
         for mode in MODES:
             memory.append(measure_memory(args, anchors, mode))
-            print(f"memory {anchors} anchors, {mode}: XLA {memory[-1]['xla']['total_bytes'] / 2**20:.1f} "
-                  f"MiB, step RSS {memory[-1]['step_peak_rss_mib']:.0f} MiB", flush=True)
+            print(f"memory {anchors} anchors, {mode} (XLA MiB | RSS MiB): "
+                  f"{memory_cells(memory[-1])}", flush=True)
 
     lines = [
         f"{config.target}, {jax.default_backend()}, {tcfg.global_batch_size} rows x "
@@ -302,9 +313,8 @@ def main():
                   "|---|---|---|---|---|"]
         for anchors in args.anchors:
             row = {m["mode"]: m for m in memory if m["anchors_per_row"] == anchors}
-            lines.append(f"| {anchors} | " + " | ".join(
-                f"{row[mode]['xla']['total_bytes'] / 2**20:.1f} | {row[mode]['step_peak_rss_mib']:.1f}"
-                for mode in MODES) + " |")
+            lines.append(f"| {anchors} | " + " | ".join(memory_cells(row[mode]) for mode in MODES)
+                         + " |")
     table = "\n".join(lines)
     print()
     print(table)

@@ -19,9 +19,9 @@ def pair():
     return target, dspark_jax.init_drafter(target, seed=2)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_trace_matches_the_counters(pair, temperature):
+def test_trace_matches_the_counters(pair):
     target, drafter = pair
+    temperature = 1.0
     plain = dspark_jax.generate(target, PROMPTS, max_new_tokens=20, drafter=drafter,
                                 temperature=temperature, seed=3)
     recorded = dspark_jax.generate(target, PROMPTS, max_new_tokens=20, drafter=drafter,

@@ -41,9 +41,9 @@ def test_load_benchmark_caps_with_the_seeded_shuffle(tmp_path):
         suite.load_benchmark("mbpp", tmp_path)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_report_equals_the_statistics_of_generate(pair, temperature):
+def test_report_equals_the_statistics_of_generate(pair):
     target, drafter = pair
+    temperature = 1.0  # sampled: the seeds per batch must match too
     stats, trace = suite.run_benchmark(target, drafter, PROMPTS, max_new_tokens=16,
                                        temperature=temperature, batch_size=2, seed=7,
                                        progress=False)
