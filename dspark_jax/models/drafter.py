@@ -34,7 +34,8 @@ from flax import nnx
 from dspark_jax.models.decoder import Decoder, DecoderLayer, stacked
 from dspark_jax.models.heads import ConfidenceHead, block_bias, make_head
 from dspark_jax.models.kv_cache import KVCache, write_layer
-from dspark_jax.models.layers import Linear, RMSNorm, _param, attend, rope_cos_sin, rope_frequencies
+from dspark_jax.models.layers import (Linear, RMSNorm, _param, attend_blockwise, rope_cos_sin,
+                                      rope_frequencies)
 
 
 class DraftOutput(NamedTuple):
@@ -51,8 +52,26 @@ class TrainOutput(NamedTuple):
     confidence: jax.Array | None  # float32 [b, N, B] confidence logits
 
 
+class BlockMask(NamedTuple):
+    """What a block token may attend to in training (spec 4.4), without the dense T x T part.
+
+    Query (block j, slot k) sees context key s where ``context[b, j*B + k, s]`` and every key of
+    block j when ``keep[b, j*B + k]``; the block-to-block part is block diagonal, so it is
+    implied rather than stored (``layers.attend_blockwise``)."""
+
+    context: jax.Array  # bool [b, N*B, S]
+    keep: jax.Array  # bool [b, N*B]
+
+    def dense(self, block_size: int) -> jax.Array:
+        """The equivalent dense mask bool [b, N*B, S + N*B] (for checks and small cases)."""
+        q_block = jnp.arange(self.keep.shape[1]) // block_size
+        same = jnp.broadcast_to(q_block[:, None] == q_block[None, :],
+                                (self.keep.shape[0],) + (q_block.shape[0],) * 2)
+        return jnp.concatenate([self.context, same & self.keep[:, :, None]], axis=-1)
+
+
 def block_attention_mask(*, anchors: jax.Array, keep: jax.Array, context_len: int, block_size: int,
-                         segment_ids: jax.Array | None = None) -> jax.Array:
+                         segment_ids: jax.Array | None = None) -> BlockMask:
     """The training attention mask (spec 4.4).
 
     Args:
@@ -64,8 +83,8 @@ def block_attention_mask(*, anchors: jax.Array, keep: jax.Array, context_len: in
         be in its anchor's segment.
 
     Returns:
-      bool [b, N*B, S + N*B]: query (block j, slot k) sees context key s when s < anchor_j
-      (and same segment), and every key of block j.
+      BlockMask: query (block j, slot k) sees context key s when s < anchor_j (and same
+      segment), and every key of block j.
     """
     num_blocks = anchors.shape[1]
     q_block = jnp.arange(num_blocks * block_size) // block_size  # [N*B]
@@ -74,9 +93,8 @@ def block_attention_mask(*, anchors: jax.Array, keep: jax.Array, context_len: in
     if segment_ids is not None:
         anchor_segment = jnp.take_along_axis(segment_ids, anchors, axis=1)[:, q_block]
         context &= segment_ids[:, None, :] == anchor_segment[:, :, None]
-    same_block = q_block[:, None] == q_block[None, :]
-    same_block = jnp.broadcast_to(same_block, (anchors.shape[0],) + same_block.shape)
-    return jnp.concatenate([context, same_block], axis=-1) & keep[:, q_block][:, :, None]
+    q_keep = keep[:, q_block]
+    return BlockMask(context & q_keep[:, :, None], q_keep)
 
 
 def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int,
@@ -172,13 +190,16 @@ class DrafterModel(nnx.Module):
         return KVCache.zeros(self.cfg.num_layers, batch, slots, cfg.num_key_value_heads,
                              cfg.head_dim, dtype)
 
-    def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask, cache=None, ctx_slots=None):
-        """The draft layers over a block and its context.
+    def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask, cache=None,
+                    ctx_slots=None):
+        """The draft layers over blocks and their context.
 
         Args:
-          h: [b, T, d] block embeddings; cos/sin [b, T, D] at the block positions.
+          h: [b, T, d] embeddings of T = n * block_size block tokens; cos/sin [b, T, D] at the
+            block positions.
           ctx: [b, C, d] projected context features; ctx_cos/ctx_sin [b, C, D].
-          mask: bool [b, T, K_ctx + T]; K_ctx = C without a cache, = slots with one.
+          mask: BlockMask with context bool [b, T, K_ctx] (K_ctx = C without a cache, = slots
+            with one) and keep [b, T]; each block also sees its own tokens.
           cache: optional draft cache; the context K/V are written at ``ctx_slots`` [b, C]
             and the block attends over all cache slots instead of the C new entries.
 
@@ -197,9 +218,10 @@ class DrafterModel(nnx.Module):
                 v_ctx = v_cache = write_layer(v_cache, v_ctx, ctx_slots)
             x = layer.input_layernorm(h)
             k_block, v_block = attn.keys_values(x, cos, sin)
-            k = jnp.concatenate([k_ctx.astype(k_block.dtype), k_block], axis=1)
-            v = jnp.concatenate([v_ctx.astype(v_block.dtype), v_block], axis=1)
-            h = h + attn.output(attend(attn.queries(x, cos, sin), k, v, mask))
+            out = attend_blockwise(attn.queries(x, cos, sin), k_ctx.astype(k_block.dtype),
+                                   v_ctx.astype(v_block.dtype), mask.context, k_block, v_block,
+                                   mask.keep, block_size=self.cfg.block_size)
+            h = h + attn.output(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             return h, (k_cache, v_cache)
 
@@ -253,8 +275,7 @@ class DrafterModel(nnx.Module):
         slots = jnp.arange(cache.num_slots)
         visible = slots[None, None, :] < anchor_positions[:, None, None]
         visible = jnp.broadcast_to(visible, (b, self.cfg.block_size, cache.num_slots))
-        mask = jnp.concatenate(
-            [visible, jnp.ones((b, self.cfg.block_size, self.cfg.block_size), bool)], axis=-1)
+        mask = BlockMask(visible, jnp.ones((b, self.cfg.block_size), bool))
         hidden, cache = self._run_layers(
             self.block_embeddings(target, anchor_tokens), cos=cos, sin=sin,
             ctx=self.context(ctx_taps), ctx_cos=ctx_cos, ctx_sin=ctx_sin, mask=mask, cache=cache,

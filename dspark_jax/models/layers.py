@@ -185,6 +185,52 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, h, d)
 
 
+def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
+                     k_block: jax.Array, v_block: jax.Array, block_keep: jax.Array, *,
+                     block_size: int) -> jax.Array:
+    """Attention of draft blocks over a shared context and, bidirectionally, their own block.
+
+    The same result as :func:`attend` over keys [context; blocks] with the dense mask
+    [ctx_mask, block-diagonal & block_keep], without materialising the block-to-block part:
+    memory is O(T * (S + block_size)) instead of O(T * (S + T)), linear in the number of blocks.
+
+    Args:
+      q: [B, T, H, D] queries of T = n * block_size block tokens (block j = rows j*bs..).
+      k_ctx, v_ctx: [B, S, K, D] context keys / values; ctx_mask: bool [B, T, S].
+      k_block, v_block: [B, T, K, D] the blocks' own keys / values.
+      block_keep: bool [B, T]; False: the query sees no key of its block (a dummy block).
+      block_size: tokens per block.
+
+    Returns:
+      [B, T, H, D]; a query with no visible key gets zeros.
+    """
+    b, t, h, d = q.shape
+    kv = k_ctx.shape[2]
+    g, n = h // kv, t // block_size
+    scale = d ** -0.5
+    qg = q.reshape(b, t, kv, g, d)
+    s_ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx,
+                       preferred_element_type=jnp.float32) * scale  # [B, K, G, T, S]
+    s_blk = jnp.einsum("bnikgd,bnjkd->bkgnij", qg.reshape(b, n, block_size, kv, g, d),
+                       k_block.reshape(b, n, block_size, kv, d),
+                       preferred_element_type=jnp.float32) * scale
+    s_blk = s_blk.reshape(b, kv, g, t, block_size)
+    vis_ctx = ctx_mask[:, None, None]
+    vis_blk = block_keep[:, None, None, :, None]
+    s_ctx = jnp.where(vis_ctx, s_ctx, -jnp.inf)
+    s_blk = jnp.where(vis_blk, s_blk, -jnp.inf)
+    peak = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    w_ctx = jnp.where(vis_ctx, jnp.exp(s_ctx - peak), 0.0)
+    w_blk = jnp.where(vis_blk, jnp.exp(s_blk - peak), 0.0)
+    denom = jnp.sum(w_ctx, axis=-1, keepdims=True) + jnp.sum(w_blk, axis=-1, keepdims=True)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bkgts,bskd->btkgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx)
+    w_blk = (w_blk / denom).astype(v_block.dtype).reshape(b, kv, g, n, block_size, block_size)
+    out_blk = jnp.einsum("bkgnij,bnjkd->bnikgd", w_blk, v_block.reshape(b, n, block_size, kv, d))
+    return (out + out_blk.reshape(b, t, kv, g, d)).reshape(b, t, h, d)
+
+
 class Attention(nnx.Module):
     """Projections of a Llama / Qwen2 / Qwen3 attention layer (q/k/v bias, per-head q/k norm).
 

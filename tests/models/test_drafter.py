@@ -124,12 +124,31 @@ def test_block_mask_with_segments():
     anchors, keep = jnp.array([[2, 5]]), jnp.array([[True, True]])
     segments = jnp.array([[0, 0, 0, 0, 1, 1, 1]])
     mask = block_attention_mask(anchors=anchors, keep=keep, context_len=7, block_size=2,
-                                segment_ids=segments)
+                                segment_ids=segments).dense(2)
     assert mask.shape == (1, 4, 7 + 4)
     np.testing.assert_array_equal(mask[0, 0, :7], [1, 1, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(mask[0, 2, :7], [0, 0, 0, 0, 1, 0, 0])  # segment 1 only
     np.testing.assert_array_equal(mask[0, :, 7:], [[1, 1, 0, 0], [1, 1, 0, 0],
                                                    [0, 0, 1, 1], [0, 0, 1, 1]])
+
+
+def test_blockwise_attention_equals_dense_attention():
+    from dspark_jax.models.layers import attend, attend_blockwise
+
+    b, n, bs, s, h, kv, d = 2, 3, 4, 5, 4, 2, 8
+    keys = jax.random.split(jax.random.key(0), 8)
+    q = jax.random.normal(keys[0], (b, n * bs, h, d))
+    k_ctx, v_ctx = (jax.random.normal(keys[i], (b, s, kv, d)) for i in (1, 2))
+    k_blk, v_blk = (jax.random.normal(keys[i], (b, n * bs, kv, d)) for i in (3, 4))
+    anchors = jnp.array([[1, 3, 4], [0, 2, 5]])
+    keep = jnp.array([[True, True, False], [True, True, True]])  # a dummy block; anchor 0
+    mask = block_attention_mask(anchors=anchors, keep=keep, context_len=s, block_size=bs)
+    dense = attend(q, jnp.concatenate([k_ctx, k_blk], 1), jnp.concatenate([v_ctx, v_blk], 1),
+                   mask.dense(bs))
+    blockwise = attend_blockwise(q, k_ctx, v_ctx, mask.context, k_blk, v_blk, mask.keep,
+                                 block_size=bs)
+    np.testing.assert_allclose(blockwise, dense, atol=1e-5, rtol=1e-5)
+    assert not np.asarray(blockwise[0, 2 * bs:]).any()  # the dummy block sees nothing
 
 
 def test_sample_anchors():

@@ -114,7 +114,7 @@ def test_masks_never_cross_segments():
     keep = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], bool)
     mask = np.asarray(block_attention_mask(anchors=jnp.asarray(anchors), keep=jnp.asarray(keep),
                                            context_len=seq, block_size=block,
-                                           segment_ids=jnp.asarray(segment_ids)))
+                                           segment_ids=jnp.asarray(segment_ids)).dense(block))
     query_anchor = np.repeat(anchors, block, axis=1)  # [b, N*B]
     query_block = np.arange(num_anchors * block) // block
     anchor_segment = np.take_along_axis(segment_ids, query_anchor, 1)
