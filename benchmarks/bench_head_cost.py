@@ -48,17 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, cpu_name, draft_step, timed, verify_step
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main():
@@ -85,7 +76,7 @@ def main():
 
     sys.path.insert(0, str(ROOT))
     from configs.dspark_smollm2_135m import get_config
-    from dspark_jax.decoding.block_sampler import sample_block, sample_draft
+    from dspark_jax.decoding.block_sampler import sample_block
     from dspark_jax.drafter import init_drafter
     from dspark_jax.models.kv_cache import KVCache
     from dspark_jax.target import load_target
@@ -102,12 +93,7 @@ def main():
     vocab, d = tcfg.vocab_size, tcfg.hidden_size
 
     # -- target verification step (same function for every block size; recompiles per shape) --
-    def verify_impl(state, cache, tokens, positions):
-        model = nnx.merge(target.graphdef, state)
-        out = model(tokens, positions, cache=cache, tap_layer_ids=taps_ids)
-        return model.logits(out.hidden), out.taps, out.cache
-
-    verify = jax.jit(verify_impl, donate_argnums=(1,))
+    verify = verify_step(target, taps_ids)
 
     cache = KVCache.zeros(tcfg.num_hidden_layers, b, slots, tcfg.num_key_value_heads,
                           tcfg.head_dim, target.dtype)
@@ -123,23 +109,8 @@ def main():
                             hidden=hidden, base_logits=base, anchor_tokens=anchor, key=key,
                             temperature=temperature, top_p=top_p)
 
-    def draft_impl(graphdef, state, tstate, dcache, ctx_taps, ctx_pos, anchor, anchor_pos, key,
-                   temperature, top_p):
-        model = nnx.merge(graphdef, state)
-        tmodel = nnx.merge(target.graphdef, tstate)
-        out = model.draft(tmodel, ctx_taps=ctx_taps, ctx_positions=ctx_pos, cache=dcache,
-                          anchor_tokens=anchor, anchor_positions=anchor_pos)
-        sample = sample_draft(model, tmodel, hidden=out.hidden, anchor_tokens=anchor, key=key,
-                              temperature=temperature, top_p=top_p)
-        return sample, out.cache
-
     sampler = jax.jit(sampler_impl, static_argnums=(0,))
-    draft = jax.jit(draft_impl, static_argnums=(0,), donate_argnums=(3,))
-
-    def timed(fn):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        return time.perf_counter() - start
+    draft = draft_step(target)
 
     one, zero = jnp.float32(1.0), jnp.float32(0.0)
     key = jax.random.key(0)
@@ -178,7 +149,7 @@ def main():
             def run():
                 sample, caches[f"draft_{name}"] = draft(
                     dr.graphdef, dr.state, target.state, caches[f"draft_{name}"], ctx_taps,
-                    ctx_pos, anchor, anchor_pos, key, one, one)
+                    ctx_pos, anchor, anchor_pos, key, one, one, 0)
                 return sample
             return run
 

@@ -62,18 +62,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, cpu_name, draft_step, timed, verify_step
+
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_prompts(data_dir: Path, count: int) -> list[tuple[str, str]]:
@@ -109,13 +100,11 @@ def main():
 
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     sys.path.insert(0, str(ROOT))
     import dspark_jax
     from configs.dspark_smollm2_135m import get_config
     from dspark_jax.decoding.autoregressive import SamplingParams
-    from dspark_jax.decoding.block_sampler import sample_draft
     from dspark_jax.drafter import init_drafter, load_drafter
     from dspark_jax.generation import encode_prompts, prompt_bucket
     from dspark_jax.models.kv_cache import KVCache
@@ -143,29 +132,8 @@ def main():
     encoded = encode_prompts(target, [text for _, text in prompts])
 
     # -- isolated steps -------------------------------------------------------------------------
-    def verify_impl(state, cache, tokens, positions):
-        model = nnx.merge(target.graphdef, state)
-        out = model(tokens, positions, cache=cache, tap_layer_ids=taps_ids)
-        return model.logits(out.hidden), out.taps, out.cache
-
-    def draft_impl(graphdef, state, tstate, dcache, ctx_taps, ctx_pos, anchor, anchor_pos, key,
-                   params):
-        model = nnx.merge(graphdef, state)
-        tmodel = nnx.merge(target.graphdef, tstate)
-        out = model.draft(tmodel, ctx_taps=ctx_taps, ctx_positions=ctx_pos, cache=dcache,
-                          anchor_tokens=anchor, anchor_positions=anchor_pos)
-        sample = sample_draft(model, tmodel, hidden=out.hidden, anchor_tokens=anchor, key=key,
-                              temperature=params.temperature, top_p=params.top_p,
-                              top_k=params.top_k)
-        return sample, out.cache
-
-    verify = jax.jit(verify_impl, donate_argnums=(1,))
-    draft = jax.jit(draft_impl, static_argnums=(0,), donate_argnums=(3,))
-
-    def timed(fn):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        return time.perf_counter() - start
+    verify = verify_step(target, taps_ids)
+    draft = draft_step(target)
 
     def random_cache(cache):
         return KVCache(*(jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
@@ -202,7 +170,8 @@ def main():
         def run_draft():
             sample, state["d_cache"] = draft(drafter.graphdef, drafter.state, target.state,
                                              state["d_cache"], ctx_taps, ctx_pos, anchor, apos,
-                                             key, params)
+                                             key, params.temperature, params.top_p,
+                                             params.top_k)
             return sample
 
         variants = {"verify": run_verify, "draft": run_draft}

@@ -77,6 +77,39 @@ def _confidence_logits(block, batch: int, proposals: int) -> jax.Array:
     return block.confidence.astype(jnp.float32)
 
 
+class Emission(NamedTuple):
+    """What one verified round adds to each row's output."""
+
+    tokens: jax.Array  # int32 [b, P + 1]: the accepted drafts, then the corrected / bonus token
+    count: jax.Array  # int32 [b] of them emitted: cut after the first EOS and at the row's limit
+    finished: jax.Array  # bool [b] active rows that ended (EOS emitted or limit reached)
+    tau: jax.Array  # int32 [b] accepted + 1, or up to an accepted EOS; 0 for inactive rows
+
+
+def emit_round(draft_tokens: jax.Array, verdict: rejection.VerifyDecision, active: jax.Array,
+               generated: jax.Array, max_new: jax.Array | int, eos_ids: jax.Array) -> Emission:
+    """The tokens a round emits per row (shared by ``decode`` and the serving step).
+
+    Args:
+      draft_tokens: int32 [b, P] the verified block; verdict: its rejection-sampling verdict.
+      active: bool [b] rows still generating; generated: int32 [b] tokens emitted so far.
+      max_new: the rows' max_new_tokens (scalar or [b]); eos_ids: int32 [E].
+    """
+    batch, width = draft_tokens.shape[0], draft_tokens.shape[1] + 1
+    accepted = verdict.num_accepted
+    tokens = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    tokens = tokens.at[jnp.arange(batch), accepted].set(verdict.next_token)
+    index = jnp.arange(width)
+    eos_at = jnp.where(is_eos(tokens, eos_ids) & (index <= accepted[:, None]), index, width)
+    first_eos = jnp.min(eos_at, axis=1)
+    count = jnp.minimum(jnp.minimum(accepted, first_eos) + 1, max_new - generated)
+    count = jnp.where(active, count, 0)
+    finished = active & ((first_eos < count) | (generated + count >= max_new))
+    ended_by_eos = first_eos < accepted  # an accepted draft token was EOS
+    tau = jnp.where(active, jnp.where(ended_by_eos, first_eos + 1, accepted + 1), 0)
+    return Emission(tokens, count, finished, tau)
+
+
 def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
            drafter_graphdef: nnx.GraphDef, drafter_state: nnx.State, prompts: jax.Array,
            prompt_lens: jax.Array, key: jax.Array, params: SamplingParams, eos_ids: jax.Array,
@@ -173,17 +206,11 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         accepted = verdict.num_accepted
 
         # Emit accepted + next token, cut after the first EOS and at max_new_tokens.
-        emitted = jnp.concatenate([block.tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-        emitted = emitted.at[rows, accepted].set(verdict.next_token)  # [b, P + 1]
+        em = emit_round(block.tokens, verdict, active, count, max_new_tokens, eos_ids)
         index = jnp.arange(top)
-        eos_at = jnp.where(is_eos(emitted, eos_ids) & (index <= accepted[:, None]), index, top)
-        first_eos = jnp.min(eos_at, axis=1)
-        ended_by_eos = first_eos < accepted  # an accepted draft token was EOS
-        emit = jnp.minimum(jnp.minimum(accepted, first_eos) + 1, max_new_tokens - count)
-        emit = jnp.where(active, emit, 0)
-        tokens = c["tokens"].at[rows[:, None], count[:, None] + index].set(emitted, mode="drop")
-        new_count = count + emit
-        done = c["done"] | (active & ((first_eos < emit) | (new_count >= max_new_tokens)))
+        tokens = c["tokens"].at[rows[:, None], count[:, None] + index].set(em.tokens, mode="drop")
+        new_count = count + em.count
+        done = c["done"] | em.finished
 
         # Statistics over the rows active this round.
         act = active.astype(jnp.int32)
@@ -191,7 +218,7 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         s = c["stats"]
         stats = SpecStats(
             rounds=s.rounds + act,
-            tau_sum=s.tau_sum + act * jnp.where(ended_by_eos, first_eos + 1, accepted + 1),
+            tau_sum=s.tau_sum + em.tau,
             accepted=s.accepted + act * accepted,
             proposed=s.proposed + act * num_draft,
             accepted_ge=s.accepted_ge + act[:, None] * (accepted[:, None] >= ks),

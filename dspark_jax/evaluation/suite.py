@@ -139,8 +139,9 @@ def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[
         results[label] = {}
         for bench in benches:
             path = folder / f"{bench}.json"
-            if path.exists() and json.loads(path.read_text()).get("settings") == settings:
-                results[label][bench] = json.loads(path.read_text())["stats"]
+            done = json.loads(path.read_text()) if path.exists() else {}
+            if done.get("settings") == settings:
+                results[label][bench] = done["stats"]
                 continue
             prompts = load_benchmark(bench, data_dir, limit)
             started = time.perf_counter()

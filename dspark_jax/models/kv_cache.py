@@ -25,10 +25,11 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
               dtype) -> "KVCache":
-        """An empty cache; inside jit under a mesh its rows are sharded over the data axes."""
+        """An empty cache; inside jit under a mesh its rows are sharded over the data axes.
+
+        k and v are separate buffers, so the cache can be donated to a jitted function."""
         shape = (num_layers, batch, slots, kv_heads, head_dim)
-        zeros = sharding.constrain_rows(jnp.zeros(shape, dtype), axis=1)
-        return cls(zeros, zeros)
+        return cls(*(sharding.constrain_rows(jnp.zeros(shape, dtype), axis=1) for _ in range(2)))
 
     @property
     def num_slots(self) -> int:

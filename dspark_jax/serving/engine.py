@@ -115,15 +115,15 @@ class Engine:
         self.compile_s = 0.0
         self.set_policy(policy, policy_params)
         cfg = target.config
-        # Donated state: every leaf gets its own buffer (the constructors share zero arrays).
-        def own(tree):
-            return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-
-        self._slots = own(step_lib.Slots.empty(slots, self.proposals, cfg.vocab_size, step_key))
-        self._caches = own(step_lib.Caches(
+        # Donated state: every leaf needs its own buffer (Slots.empty shares zero arrays; the KV
+        # caches are separate buffers already).
+        self._slots = jax.tree.map(lambda x: jnp.array(x, copy=True),
+                                   step_lib.Slots.empty(slots, self.proposals, cfg.vocab_size,
+                                                        step_key))
+        self._caches = step_lib.Caches(
             KVCache.zeros(cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads,
                           cfg.head_dim, target.dtype),
-            drafter.model.init_cache(slots, max_len)))
+            drafter.model.init_cache(slots, max_len))
         self._free = list(range(slots))
         self._running: dict[int, Request] = {}
         self._queue: collections.deque[Request] = collections.deque()

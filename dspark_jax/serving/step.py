@@ -37,6 +37,7 @@ from dspark_jax.decoding import rejection
 from dspark_jax.decoding.autoregressive import SamplingParams, is_eos
 from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
 from dspark_jax.decoding.sampling import sample, sampling_probs
+from dspark_jax.decoding.speculative import emit_round
 from dspark_jax.decoding.verification import policy_lengths
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.ragged import ragged_forward
@@ -239,17 +240,8 @@ def decode_step(target_graphdef: nnx.GraphDef, target_state: nnx.State,
     accepted = verdict.num_accepted
 
     # Emit accepted + next token, cut after the first EOS and at the request's max_new_tokens.
-    slot_ids = jnp.arange(num_slots)
-    emitted = jnp.concatenate([slots.block_tokens, jnp.zeros((num_slots, 1), jnp.int32)], axis=1)
-    emitted = emitted.at[slot_ids, accepted].set(verdict.next_token)
-    eos_at = jnp.where(is_eos(emitted, eos_ids) & (index <= accepted[:, None]), index, width)
-    first_eos = jnp.min(eos_at, axis=1)
-    ended_by_eos = first_eos < accepted
-    emit = jnp.minimum(jnp.minimum(accepted, first_eos) + 1, slots.max_new - slots.generated)
-    emit = jnp.where(active, emit, 0)
-    generated = slots.generated + emit
-    finished = active & ((first_eos < emit) | (generated >= slots.max_new))
-    tau = jnp.where(active, jnp.where(ended_by_eos, first_eos + 1, accepted + 1), 0)
+    em = emit_round(slots.block_tokens, verdict, active, slots.generated, slots.max_new, eos_ids)
+    generated = slots.generated + em.count
 
     # Commit: new anchor after the accepted prefix; draft the next block from the verified taps.
     new_anchor = jnp.where(active, verdict.next_token, anchor)
@@ -258,9 +250,9 @@ def decode_step(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                             anchor_tokens=new_anchor, anchor_positions=new_pos)
     block = _sample_block(drafter, target, drafted.hidden, new_anchor, k_draft, sampling)
     conf = block_confidences(block, policy_params["confidence_temperatures"])
-    slots = slots.replace(active=active & ~finished, anchor=new_anchor, anchor_pos=new_pos,
+    slots = slots.replace(active=active & ~em.finished, anchor=new_anchor, anchor_pos=new_pos,
                           generated=generated, block_tokens=block.tokens, block_probs=block.probs,
                           confidence=conf, history=jnp.stack([slots.history[1], conf]), key=key)
-    out = StepOutput(emitted, emit, finished, jnp.where(active, accepted, 0), num_draft, tau,
-                     total, bucket)
+    out = StepOutput(em.tokens, em.count, em.finished, jnp.where(active, accepted, 0), num_draft,
+                     em.tau, total, bucket)
     return slots, Caches(t_cache, drafted.cache), out

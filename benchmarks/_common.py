@@ -1,0 +1,70 @@
+"""Pieces the benchmark scripts share: the machine's name, a wall-clock timer, and the jitted
+target-verify and draft steps they time in isolation.
+
+The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (else what ``platform`` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def timed(fn) -> float:
+    """Seconds one call of ``fn()`` takes until its outputs are ready."""
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def verify_step(target, tap_layer_ids: tuple[int, ...]):
+    """Jitted ``(target_state, cache, tokens [b, T], positions [b, T]) -> (logits, taps,
+    cache)``: one target forward through its KV cache (donated)."""
+    import jax
+    from flax import nnx
+
+    def verify(state, cache, tokens, positions):
+        model = nnx.merge(target.graphdef, state)
+        out = model(tokens, positions, cache=cache, tap_layer_ids=tap_layer_ids)
+        return model.logits(out.hidden), out.taps, out.cache
+
+    return jax.jit(verify, donate_argnums=(1,))
+
+
+def draft_step(target):
+    """Jitted ``(drafter_graphdef, drafter_state, target_state, draft_cache, ctx_taps,
+    ctx_positions, anchor, anchor_pos, key, temperature, top_p, top_k) -> (BlockSample,
+    draft_cache)``: the whole draft step of the engine (context into the draft cache, the
+    block's forward, the scan sampler); the graphdef is static, the cache donated."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax.decoding.block_sampler import sample_draft
+
+    def draft(graphdef, state, target_state, cache, ctx_taps, ctx_positions, anchor, anchor_pos,
+              key, temperature, top_p, top_k):
+        model = nnx.merge(graphdef, state)
+        target_model = nnx.merge(target.graphdef, target_state)
+        out = model.draft(target_model, ctx_taps=ctx_taps, ctx_positions=ctx_positions,
+                          cache=cache, anchor_tokens=anchor, anchor_positions=anchor_pos)
+        sample = sample_draft(model, target_model, hidden=out.hidden, anchor_tokens=anchor,
+                              key=key, temperature=temperature, top_p=top_p, top_k=top_k)
+        return sample, out.cache
+
+    return jax.jit(draft, static_argnums=(0,), donate_argnums=(3,))
