@@ -1,5 +1,5 @@
 """Pieces the benchmark scripts share: the machine's name, a wall-clock timer, and the jitted
-target-verify and draft steps they time in isolation.
+prefill, target-verify and draft steps they time in isolation.
 
 The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path``.
 """
@@ -45,6 +45,24 @@ def verify_step(target, tap_layer_ids: tuple[int, ...]):
         return model.logits(out.hidden), out.taps, out.cache
 
     return jax.jit(verify, donate_argnums=(1,))
+
+
+def prefill_step(target, tap_layer_ids: tuple[int, ...]):
+    """Jitted ``(target_state, cache, tokens [b, W], lens [b]) -> (last logits [b, V], taps,
+    cache)``: the engines' prefill (the prompt through an empty cache, the LM head at each
+    row's last prompt token)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def prefill(state, cache, tokens, lens):
+        model = nnx.merge(target.graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        out = model(tokens, positions, cache=cache, tap_layer_ids=tap_layer_ids)
+        last = out.hidden[jnp.arange(tokens.shape[0]), lens - 1]
+        return model.logits(last), out.taps, out.cache
+
+    return jax.jit(prefill, donate_argnums=(1,))
 
 
 def draft_step(target):

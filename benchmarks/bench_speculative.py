@@ -26,27 +26,34 @@ batch 8 runs the first 8 as one batch.
 Per call of ``dspark_jax.generate`` (compilation excluded by the engine; with ``--warmup 1``
 one untimed call per compiled program first):
 
-* AR: no drafter -> wall, new tokens, steps (target forwards after the prefill);
-  ``t_ar_step = wall / steps`` (the wall includes the prefill).
+* AR: no drafter -> wall, new tokens, steps (target forwards after the prefill).
 * SPEC: with the drafter, ``verify="full"`` -> wall, new tokens, loop iterations (``steps``),
   per-row rounds and tau (sum of the per-row ``tau_sum`` / sum of rounds).
-* ``speedup = (spec tokens / spec wall) / (ar tokens / ar wall)``.
+* ``speedup = (spec tokens / spec wall) / (ar tokens / ar wall)``, end to end.
 
 In isolation, per generate call shape (b rows, prompt width W, P proposals per block,
 S = W + max_new_tokens + P + 1 cache slots, as in the engine), jitted, compiled, warmed up
 (3 calls) and timed ``--repeats`` times alternating (the order flips every repeat), medians:
 
+* ``t_prefill``: the prompts through an empty cache, LM head at each row's last token.
 * ``t_verify``: one target forward of P + 1 tokens at positions
   prompt_len + ``--context-extra`` + [0..P] per row through a KV cache of S slots (donated and
   threaded through the calls), returning the logits and the drafter's taps.
 * ``t_draft``: one ``DrafterModel.draft`` (P + 1 new context taps, draft cache of S slots) +
   ``sample_draft`` (LM head + block sampler) for the same rows, at the run's temperature.
 
-For batch 1 the three prompts' isolated times are averaged weighted by their loop iterations.
-``ideal = tau * t_ar_step / (t_draft + t_verify)``, ``ratio = speedup / ideal``;
-``loop / round = spec wall / loop iterations`` against ``t_draft + t_verify`` (the loop's own
-overhead: policy, rejection sampling, bookkeeping, bucket switch, and the prefill + first draft
-amortised over the rounds).
+The decode phase is the wall less the prefill (SPEC: less the first draft too):
+``t_ar_step = AR decode / AR steps``, ``loop / round = SPEC decode / loop iterations``,
+``decode speedup`` from the two decode phases, ``ideal = tau * t_ar_step / (t_draft +
+t_verify)`` and ``ratio = decode speedup / ideal``. The ratio factors into two parts:
+
+* ``loop efficiency = (t_draft + t_verify) / loop per round``: what the loop adds to one draft
+  and one verify step (policy, rejection sampling, bookkeeping, the bucket switch);
+* ``straggler = tokens per row per iteration / tau``: a static batch runs until its slowest
+  row is done, and rows that finished early idle (1 at batch 1 up to the end-of-output cut).
+
+For batch 1 the three prompts' isolated step times are averaged weighted by their loop
+iterations, and their prefills summed.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, cpu_name, draft_step, timed, verify_step
+from _common import ROOT, cpu_name, draft_step, prefill_step, timed, verify_step
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -134,6 +141,7 @@ def main():
     # -- isolated steps -------------------------------------------------------------------------
     verify = verify_step(target, taps_ids)
     draft = draft_step(target)
+    prefill = prefill_step(target, taps_ids)
 
     def random_cache(cache):
         return KVCache(*(jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
@@ -151,7 +159,13 @@ def main():
                                                   tcfg.num_key_value_heads, tcfg.head_dim,
                                                   target.dtype)),
             "d_cache": random_cache(drafter.model.init_cache(b, slots)),
+            "p_cache": KVCache.zeros(tcfg.num_hidden_layers, b, slots, tcfg.num_key_value_heads,
+                                     tcfg.head_dim, target.dtype),
         }
+        prompt_tokens = np.zeros((b, width), np.int32)
+        for i, p in enumerate(ids):
+            prompt_tokens[i, :len(p)] = p
+        prompt_tokens, prompt_lens = jnp.asarray(prompt_tokens), jnp.asarray(lens, jnp.int32)
         tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (b, top)), jnp.int32)
         positions = jnp.asarray(anchor_pos[:, None] + np.arange(top), jnp.int32)
         ctx_taps = jnp.asarray(rng.standard_normal((b, top, len(taps_ids) * tcfg.hidden_size)),
@@ -174,7 +188,12 @@ def main():
                                              params.top_k)
             return sample
 
-        variants = {"verify": run_verify, "draft": run_draft}
+        def run_prefill():
+            logits, taps, state["p_cache"] = prefill(target.state, state["p_cache"],
+                                                     prompt_tokens, prompt_lens)
+            return logits, taps
+
+        variants = {"verify": run_verify, "draft": run_draft, "prefill": run_prefill}
         compile_s = {name: timed(fn) for name, fn in variants.items()}
         for _ in range(3):
             for fn in variants.values():
@@ -188,6 +207,8 @@ def main():
             width=width, slots=slots, context=anchor_pos.tolist(), compile_s=compile_s,
             t_verify=statistics.median(samples["verify"]),
             t_draft=statistics.median(samples["draft"]),
+            t_prefill=statistics.median(samples["prefill"]),
+            t_draft_first=statistics.median(samples["draft"]),  # the draft after the prefill
             iqr_s={n: (float(np.percentile(v, 25)), float(np.percentile(v, 75)))
                    for n, v in samples.items()})
 
@@ -207,7 +228,8 @@ def main():
         res = dspark_jax.generate(target, ids, **kwargs)
         compile_s += res[0].stats["compile_s"]
         s0 = res[0].stats
-        out = dict(wall_s=s0["wall_s"], tokens=sum(r.stats["new_tokens"] for r in res),
+        out = dict(wall_s=s0["wall_s"], rows=len(ids),
+                   tokens=sum(r.stats["new_tokens"] for r in res),
                    steps=s0["steps"], compile_s=compile_s, token_ids=[r.token_ids for r in res])
         if spec:
             out["rounds"] = sum(r.stats["counters"]["rounds"] for r in res)
@@ -216,21 +238,32 @@ def main():
         return out
 
     def derive(ar, spec, iso) -> dict:
-        """Metrics from summed AR / SPEC counts and iteration-weighted isolated step times."""
-        t_ar_step = ar["wall_s"] / ar["steps"]
+        """Metrics from summed AR / SPEC counts and isolated step times (iteration-weighted
+        t_verify / t_draft, summed t_prefill)."""
+        # The decode phase: the wall less the prefill (and, for SPEC, the first draft).
+        ar_decode = ar["wall_s"] - iso["t_prefill"]
+        spec_decode = spec["wall_s"] - iso["t_prefill"] - iso["t_draft_first"]
+        t_ar_step = ar_decode / ar["steps"]
         tau = spec["tau_sum"] / spec["rounds"]
         step = iso["t_draft"] + iso["t_verify"]
         speedup = (spec["tokens"] / spec["wall_s"]) / (ar["tokens"] / ar["wall_s"])
+        decode_speedup = (spec["tokens"] / spec_decode) / (ar["tokens"] / ar_decode)
         ideal = tau * t_ar_step / step
-        loop_round = spec["wall_s"] / spec["steps"]
+        loop_round = spec_decode / spec["steps"]
+        rows_per_call = ar["rows"]
+        # Tokens per row per loop iteration: below tau when rows finish at different rounds
+        # (a static batch runs until its last row is done).
+        tau_batch = spec["tokens"] / (rows_per_call * spec["steps"])
         return dict(ar_tokens=ar["tokens"], ar_wall_s=ar["wall_s"], ar_steps=ar["steps"],
                     ar_tokens_per_s=ar["tokens"] / ar["wall_s"], t_ar_step=t_ar_step,
                     spec_tokens=spec["tokens"], spec_wall_s=spec["wall_s"],
                     spec_loop_iterations=spec["steps"], spec_rounds=spec["rounds"],
                     spec_accepted=spec["accepted"], spec_tokens_per_s=spec["tokens"] / spec["wall_s"],
                     tau=tau, t_verify=iso["t_verify"], t_draft=iso["t_draft"],
-                    t_draft_plus_verify=step, speedup=speedup, ideal=ideal, ratio=speedup / ideal,
-                    loop_per_round=loop_round, loop_overhead=loop_round / step - 1)
+                    t_prefill=iso["t_prefill"], t_draft_plus_verify=step, speedup=speedup,
+                    decode_speedup=decode_speedup, ideal=ideal, ratio=decode_speedup / ideal,
+                    loop_per_round=loop_round, loop_efficiency=step / loop_round,
+                    tau_batch=tau_batch, straggler=tau_batch / tau)
 
     rows = []
     for batch in args.batches:
@@ -252,14 +285,18 @@ def main():
                   f"{ar['wall_s']:.2f} s {ar['steps']} steps | SPEC {spec['tokens']} tok "
                   f"{spec['wall_s']:.2f} s {spec['steps']} iters tau {part['tau']:.3f} | verify "
                   f"{1e3 * iso['t_verify']:.1f} ms draft {1e3 * iso['t_draft']:.1f} ms | "
-                  f"speedup {part['speedup']:.3f} ideal {part['ideal']:.3f} ratio "
-                  f"{part['ratio']:.3f} | outputs equal {part['outputs_equal']}", flush=True)
+                  f"prefill {1e3 * iso['t_prefill']:.1f} ms | speedup {part['speedup']:.3f} decode "
+                  f"{part['decode_speedup']:.3f} ideal {part['ideal']:.3f} ratio "
+                  f"{part['ratio']:.3f} loop efficiency {part['loop_efficiency']:.3f} straggler "
+                  f"{part['straggler']:.3f} | outputs equal {part['outputs_equal']}", flush=True)
         ar = {k: sum(p["ar"][k] for p in parts) for k in ("wall_s", "tokens", "steps")}
+        ar["rows"] = batch
         spec = {k: sum(p["spec"][k] for p in parts)
                 for k in ("wall_s", "tokens", "steps", "rounds", "tau_sum", "accepted")}
         iters = [p["spec"]["steps"] for p in parts]
         iso = {k: sum(n * p["isolated"][k] for n, p in zip(iters, parts)) / sum(iters)
                for k in ("t_verify", "t_draft")}
+        iso.update({k: sum(p["isolated"][k] for p in parts) for k in ("t_prefill", "t_draft_first")})
         row = dict(batch=batch, groups=parts)
         row.update(derive(ar, spec, iso))
         rows.append(row)
@@ -272,16 +309,19 @@ def main():
         f"{args.temperature:g}, max_new_tokens {n_max}; times in ms, isolated steps median of "
         f"{args.repeats}",
         "",
-        "| batch | prompts | AR tok/s | SPEC tok/s | speedup | tau | t_ar_step | t_verify | t_draft "
-        "| ideal | speedup / ideal | loop / round | loop / (draft + verify) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | prompts | AR tok/s | SPEC tok/s | speedup | decode speedup | tau | t_prefill "
+        "| t_ar_step | t_verify | t_draft | ideal | decode speedup / ideal | loop / round "
+        "| loop efficiency | tokens / row / iteration | straggler |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def line(batch, label, r):
         return (f"| {batch} | {label} | {r['ar_tokens_per_s']:.2f} | {r['spec_tokens_per_s']:.2f} | "
-                f"{r['speedup']:.3f} | {r['tau']:.3f} | {ms(r['t_ar_step'])} | {ms(r['t_verify'])} | "
+                f"{r['speedup']:.3f} | {r['decode_speedup']:.3f} | {r['tau']:.3f} | "
+                f"{ms(r['t_prefill'])} | {ms(r['t_ar_step'])} | {ms(r['t_verify'])} | "
                 f"{ms(r['t_draft'])} | {r['ideal']:.3f} | **{r['ratio']:.3f}** | "
-                f"{ms(r['loop_per_round'])} | {1 + r['loop_overhead']:.3f} |")
+                f"{ms(r['loop_per_round'])} | **{r['loop_efficiency']:.3f}** | "
+                f"{r['tau_batch']:.3f} | {r['straggler']:.3f} |")
 
     for r in rows:
         if len(r["groups"]) > 1:

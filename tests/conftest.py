@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
+
+# Eight simulated devices share two cores on CI. XLA:CPU runs them on one Eigen thread pool, and
+# a collective inside a loop can wedge it when the cores are busy: participants parked in the
+# rendezvous hold the threads the others need, until XLA aborts after 40 s. Single-threaded
+# Eigen avoids that (these are correctness checks on tiny models), and the longer timeout keeps
+# a slow run from being taken for a hang; the subprocess timeout still bounds it.
+MULTI_DEVICE_XLA_FLAGS = ("--xla_force_host_platform_device_count={count} "
+                          "--xla_cpu_multi_thread_eigen=false "
+                          "--xla_cpu_collective_call_terminate_timeout_seconds=600 "
+                          "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120")
+
+
+def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: int = 600) -> dict:
+    """Runs ``python *args`` with ``devices`` simulated CPU devices; returns the JSON object
+    that the script printed on its last ``REPORT {...}`` line."""
+    env = dict(os.environ, XLA_FLAGS=MULTI_DEVICE_XLA_FLAGS.format(count=devices),
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT "):])
 
 
 def randomize_torch_model(model, seed: int = 0) -> None:

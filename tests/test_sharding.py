@@ -1,18 +1,16 @@
 """Loading under a (data, fsdp, tensor) mesh of 8 simulated CPU devices.
 
 The device count is fixed when JAX initialises, so the checks run in a subprocess started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``; it prints one JSON report.
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``conftest.run_on_cpu_devices``); it
+prints one JSON report.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import run_on_cpu_devices
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,15 +81,7 @@ def report(tmp_path_factory, make_hf_checkpoint):
     make_hf_checkpoint(config, folder, seed=5)
     script = root / "check_sharding.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(script), str(folder)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(line[-1][len("REPORT "):])
+    return run_on_cpu_devices([str(script), str(folder)], timeout=300)
 
 
 MESHES = ["(2, 1, 4)", "(1, 2, 4)"]

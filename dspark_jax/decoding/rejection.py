@@ -13,7 +13,8 @@ Rule (spec section 7, step 5), for request ``b`` with ``n = num_draft[b]`` draft
 The emitted sequence ``x_0 .. x_{j-1}, y`` is then distributed exactly as target sampling.
 Greedy decoding needs no special case: with point-mass rows the acceptance ratio is 1 when the
 draft equals the target argmax and 0 otherwise, and the residual of two different point masses
-is the target's point mass.
+is the target's point mass. :func:`verify_logits` (the engine's entry) uses exactly that for
+a batch of greedy rows and skips the probability rows (:func:`greedy_verify`).
 
 Everything is batched and jit-able; the first rejection is found with a cumulative product over
 the block, the correction row is gathered at that position, and the token is drawn with
@@ -31,7 +32,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import sample_from_probs
+from dspark_jax.decoding.sampling import (GREEDY_TEMPERATURE, argmax, sample_from_probs,
+                                          sampling_probs)
 
 # Below this residual mass the correction row falls back to the target row (spec section 7).
 RESIDUAL_EPS = 1e-8
@@ -168,3 +170,46 @@ def rejection_sample(
         next_token=next_token,
         accepted_mask=decision.accepted_mask,
     )
+
+
+def greedy_verify(draft_tokens: jax.Array, target_tokens: jax.Array,
+                  num_draft: jax.Array) -> VerifyResult:
+    """:func:`rejection_sample` of greedy rows, from the target's argmax tokens alone.
+
+    With point-mass rows the acceptance ratio is 1 when x_k is the target's argmax and 0
+    otherwise, and both the residual at the first rejection and the bonus row are the target's
+    point mass, so the verdict needs no probability rows.
+
+    Args:
+      draft_tokens: int32 [B, K]; target_tokens: int32 [B, K + 1], the target's argmax per row;
+      num_draft: int32 [B] in 0..K.
+    """
+    num_positions = draft_tokens.shape[-1]
+    in_block = jnp.arange(num_positions, dtype=jnp.int32) < num_draft[..., None]
+    accept = (draft_tokens == target_tokens[..., :num_positions]) & in_block
+    accepted_mask = jnp.cumprod(accept.astype(jnp.int32), axis=-1).astype(bool)
+    num_accepted = jnp.sum(accepted_mask, axis=-1, dtype=jnp.int32)
+    next_token = jnp.take_along_axis(target_tokens, num_accepted[..., None], axis=-1)[..., 0]
+    return VerifyResult(num_accepted=num_accepted, next_token=next_token.astype(jnp.int32),
+                        accepted_mask=accepted_mask)
+
+
+def verify_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
+                  target_logits: jax.Array, num_draft: jax.Array, temperature: jax.Array,
+                  top_p: jax.Array, top_k: jax.Array) -> VerifyResult:
+    """:func:`rejection_sample` against the target's raw logits [B, K + 1, V].
+
+    The target rows get the same processing (``sampling_probs``) as the draft's; when every row
+    is greedy the verdict comes from the argmax alone (:func:`greedy_verify`, the same result
+    without the [B, K + 1, V] probability rows and the categorical draw).
+    temperature, top_p, top_k: per-row parameters [B].
+    """
+    def sampled():
+        target_probs = sampling_probs(target_logits, temperature, top_p, top_k)
+        return rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft)
+
+    def greedy():
+        target_tokens = argmax(target_logits)
+        return greedy_verify(draft_tokens, target_tokens, num_draft)
+
+    return jax.lax.cond(jnp.all(jnp.asarray(temperature) <= GREEDY_TEMPERATURE), greedy, sampled)

@@ -24,6 +24,16 @@ def _expand(x: jax.Array | float, ndim: int, dtype=jnp.float32) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (ties to the lowest index) for finite rows.
+
+    Two plain reductions (the maximum, then the first index holding it) vectorise on CPU,
+    where XLA's (value, index) argmax reduction runs about 3x slower over a vocabulary."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+
+
 def sampling_probs(
     logits: jax.Array,
     temperature: jax.Array | float = 1.0,
@@ -46,13 +56,17 @@ def sampling_probs(
     ndim = logits.ndim
     t = _expand(temperature, ndim)
     greedy = t <= GREEDY_TEMPERATURE
-    probs = jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1)
+    point_mass = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
 
-    probs = jax.lax.cond(
-        jnp.any(_expand(top_p, ndim) < 1.0) | jnp.any(_expand(top_k, ndim, jnp.int32) > 0),
-        lambda pr: _truncate(pr, top_p, top_k), lambda pr: pr, probs)
-    point_mass = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where(greedy, point_mass, probs)
+    def processed():
+        probs = jax.nn.softmax(logits / jnp.where(greedy, 1.0, t), axis=-1)
+        probs = jax.lax.cond(
+            jnp.any(_expand(top_p, ndim) < 1.0) | jnp.any(_expand(top_k, ndim, jnp.int32) > 0),
+            lambda pr: _truncate(pr, top_p, top_k), lambda pr: pr, probs)
+        return jnp.where(greedy, point_mass, probs)
+
+    # An all-greedy batch skips the softmax (and truncation) it would throw away.
+    return jax.lax.cond(jnp.all(greedy), lambda: point_mass, processed)
 
 
 def _truncate(probs: jax.Array, top_p, top_k) -> jax.Array:
@@ -100,6 +114,6 @@ def sample(
     """
     probs = sampling_probs(logits, temperature, top_p, top_k)
     greedy = jnp.all(jnp.asarray(temperature) <= GREEDY_TEMPERATURE)
-    tokens = jax.lax.cond(greedy, lambda: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+    tokens = jax.lax.cond(greedy, lambda: argmax(logits),
                           lambda: sample_from_probs(key, probs))
     return tokens, probs

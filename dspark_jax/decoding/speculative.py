@@ -29,7 +29,7 @@ from flax import nnx
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.autoregressive import SamplingParams, is_eos
 from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
-from dspark_jax.decoding.sampling import sample, sampling_probs
+from dspark_jax.decoding.sampling import sample
 from dspark_jax.decoding.verification import policy_lengths
 from dspark_jax.models.kv_cache import KVCache
 
@@ -199,10 +199,9 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         logits, new_taps, new_kv = jax.lax.switch(bucket, branches, c["t_cache"], verify_tokens,
                                                   anchor_pos)
         t_cache = c["t_cache"].write(*new_kv, anchor_pos[:, None] + jnp.arange(top))
-        target_probs = sampling_probs(logits, params.temperature, params.top_p, params.top_k)
         key, k_verify, k_draft = jax.random.split(c["key"], 3)
-        verdict = rejection.rejection_sample(k_verify, block.tokens, block.probs, target_probs,
-                                             num_draft)
+        verdict = rejection.verify_logits(k_verify, block.tokens, block.probs, logits, num_draft,
+                                          params.temperature, params.top_p, params.top_k)
         accepted = verdict.num_accepted
 
         # Emit accepted + next token, cut after the first EOS and at max_new_tokens.

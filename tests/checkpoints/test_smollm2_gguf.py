@@ -122,6 +122,7 @@ def test_logits_match_transformers_gguf(target, hf_model, prompts):
         assert np.max(np.abs(got - ref)) <= 1e-3, f"prompt {i}"
 
 
+@pytest.mark.slow  # the logits test above is the parity check; this one adds EOS and text
 def test_greedy_generation_matches_transformers(target, hf_model, generation_prompts):
     prompts = generation_prompts
     eos = set(target.eos_token_ids)

@@ -20,10 +20,12 @@ from dspark_jax.decoding.rejection import (
     RESIDUAL_EPS,
     VerifyResult,
     acceptance_probs,
+    greedy_verify,
     rejection_sample,
     verify_from_uniforms,
+    verify_logits,
 )
-from dspark_jax.decoding.sampling import sample_from_probs, sampling_probs
+from dspark_jax.decoding.sampling import argmax, sample_from_probs, sampling_probs
 
 _verify = jax.jit(verify_from_uniforms)
 _acceptance = jax.jit(acceptance_probs)
@@ -247,7 +249,8 @@ def test_greedy_accepts_matching_prefix():
         if match[b] < K:
             draft_tok[b, match[b]] = (target_tok[b, match[b]] + 1 + rng.integers(0, V - 1)) % V
     one_hot = lambda t: np.eye(V)[t] * 8.0  # noqa: E731
-    p = sampling_probs(jnp.asarray(rng.normal(size=(B, K + 1, V)) + one_hot(target_tok)), 0.0)
+    target_logits = jnp.asarray(rng.normal(size=(B, K + 1, V)) + one_hot(target_tok), jnp.float32)
+    p = sampling_probs(target_logits, 0.0)
     q = sampling_probs(jnp.asarray(rng.normal(size=(B, K, V)) + one_hot(draft_tok)), 0.0)
     np.testing.assert_array_equal(np.asarray(jnp.argmax(q, -1)), draft_tok)
 
@@ -262,6 +265,25 @@ def test_greedy_accepts_matching_prefix():
         np.testing.assert_array_equal(
             np.asarray(out.accepted_mask[s]), np.arange(K)[None] < expected_acc[:, None]
         )
+
+    # The engine's shortcut for all-greedy batches gives the same verdict from the argmax alone.
+    greedy = jnp.zeros((B,)), jnp.ones((B,)), jnp.zeros((B,), jnp.int32)
+    for verdict in (greedy_verify(jnp.asarray(draft_tok, jnp.int32),
+                                  jnp.argmax(target_logits, -1).astype(jnp.int32),
+                                  jnp.asarray(num_draft)),
+                    jax.jit(verify_logits)(keys[0], jnp.asarray(draft_tok, jnp.int32), q,
+                                           target_logits, jnp.asarray(num_draft), *greedy)):
+        np.testing.assert_array_equal(np.asarray(verdict.num_accepted), expected_acc)
+        np.testing.assert_array_equal(np.asarray(verdict.next_token), expected_next)
+        np.testing.assert_array_equal(np.asarray(verdict.accepted_mask),
+                                      np.asarray(out.accepted_mask[0]))
+
+
+def test_argmax_takes_the_first_maximum():
+    x = np.random.default_rng(3).integers(0, 4, size=(6, 5, 33)).astype(np.float32)  # many ties
+    x[0, 0] = -np.inf
+    x[0, 0, 7] = 2.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.argmax(x, -1))
 
 
 # --------------------------------------------------------------------------------------------

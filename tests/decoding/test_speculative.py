@@ -32,22 +32,19 @@ def ar_reference(qwen3):
     return [r.token_ids for r in dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=24)]
 
 
-@pytest.mark.parametrize("verify,params", [
-    ("full", None), ("fixed", {"gamma": 2}), ("threshold", {"threshold": 0.5}), ("prefix", None),
-    ("production", {"sps": [1.0] * 6 + [0.5] * 20}),
+# Every verification policy and every drafter head, each pair one compiled program.
+@pytest.mark.parametrize("verify,params,overrides", [
+    ("full", None, dict(head="none")),
+    ("fixed", {"gamma": 2}, dict(block_size=4)),
+    ("threshold", {"threshold": 0.5}, dict(head="gated")),
+    ("prefix", None, dict(head="rnn")),
+    ("production", {"sps": [1.0] * 6 + [0.5] * 20}, dict()),
 ])
-def test_greedy_equals_autoregressive_for_every_policy(qwen3, ar_reference, verify, params):
-    drafter = dspark_jax.init_drafter(qwen3, seed=2)
+def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_reference, verify,
+                                                                params, overrides):
+    drafter = dspark_jax.init_drafter(qwen3, seed=2, **overrides)
     results = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=24, drafter=drafter,
                                   verify=verify, verify_params=params)
-    assert [r.token_ids for r in results] == ar_reference
-
-
-@pytest.mark.parametrize("overrides", [dict(head="none"), dict(head="gated"), dict(head="rnn"),
-                                       dict(block_size=4)])
-def test_greedy_equals_autoregressive_for_every_head(qwen3, ar_reference, overrides):
-    drafter = dspark_jax.init_drafter(qwen3, seed=3, **overrides)
-    results = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=24, drafter=drafter)
     assert [r.token_ids for r in results] == ar_reference
 
 

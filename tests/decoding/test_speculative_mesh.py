@@ -1,14 +1,13 @@
 """The speculative engine on meshes of 8 simulated CPU devices gives the single-device output.
 
 The device count is fixed when JAX initialises, so the run happens in a subprocess started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``; it prints one JSON report.
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``conftest.run_on_cpu_devices``); it
+prints one JSON report.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
+
+from conftest import run_on_cpu_devices
 
 SCRIPT = textwrap.dedent(r'''
     import json
@@ -35,17 +34,12 @@ SCRIPT = textwrap.dedent(r'''
     for shape in [(1, 1, 8), (2, 1, 4)]:
         with jax.set_mesh(sharding.make_mesh(shape)):
             report[str(shape)] = run()
-    print(json.dumps(report))
+    print("REPORT " + json.dumps(report))
 ''')
 
 
 def test_greedy_on_meshes_equals_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_on_cpu_devices(["-c", SCRIPT])
     single_tokens = report.pop("single")[0]
     for shape, (tokens, target_spec, drafter_spec) in report.items():
         assert tokens == single_tokens, shape

@@ -1,5 +1,6 @@
 """Greedy speculative decoding on the real SmolLM2-135M-Instruct equals greedy autoregressive
-decoding token for token, on prompts of the shared eval sets (untrained drafter)."""
+decoding token for token, on prompts of the shared eval sets, with the trained drafter shipped
+in the package and with an untrained one of the same shape."""
 
 import json
 from pathlib import Path
@@ -20,17 +21,6 @@ def first_turns():
         with path.open() as f:
             texts.append(json.loads(next(f))["turns"][0])
     return texts
-
-
-@pytest.mark.parametrize("overrides", [dict(), dict(head="none", block_size=4)])
-def test_greedy_speculative_equals_autoregressive(smollm2, overrides):
-    prompts = first_turns()
-    drafter = dspark_jax.init_drafter(smollm2, seed=0, num_layers=1, **overrides)
-    ar = dspark_jax.generate(smollm2, prompts, max_new_tokens=40)
-    sp = dspark_jax.generate(smollm2, prompts, max_new_tokens=40, drafter=drafter)
-    for a, s in zip(ar, sp):
-        assert s.token_ids == a.token_ids
-        assert s.stats["rounds"] >= 1 and s.stats["tau"] >= 1.0
 
 
 def test_packaged_trained_drafter(smollm2):

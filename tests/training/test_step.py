@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -13,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_on_cpu_devices
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -211,6 +209,7 @@ def test_steps_reduce_loss_and_leave_target_frozen(models, step_setup):
 
 SHARDED_SCRIPT = textwrap.dedent(r'''
     import json
+    import os
     import sys
     import jax
     import numpy as np
@@ -221,7 +220,7 @@ SHARDED_SCRIPT = textwrap.dedent(r'''
     from dspark_jax.target import init_target
     from dspark_jax.training import step as train_step
 
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # test_step and conftest
     from test_step import make_batch, random_sequence, smooth_optimizer
 
     assert len(jax.devices()) == 8
@@ -266,15 +265,9 @@ SHARDED_SCRIPT = textwrap.dedent(r'''
 def test_sharded_steps_equal_single_device(tmp_path):
     """3 steps on (8,1,1), (2,4,1) and (2,2,2) meshes (the last with 2 micro-batches) of 8
     simulated CPU devices give the single-device losses and parameters."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     script = tmp_path / "sharded_train_step.py"
     script.write_text(SHARDED_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(line[-1][len("REPORT "):])
+    report = run_on_cpu_devices([str(script), os.path.dirname(__file__)])
     ref = report.pop("reference_losses")
     assert ref[-1] < ref[0]
     for shape, result in report.items():
