@@ -207,7 +207,8 @@ def cmd_profile_sps(args) -> int:
     target, drafter = _serving_models(args)
     buckets = [int(b) for b in _csv(args.buckets)] if args.buckets else None
     engine = Engine(target, drafter, slots=args.slots, max_len=args.max_len, buckets=buckets)
-    profile = engine.profile_sps(repeats=args.repeats, warmup=args.warmup, refresh=args.refresh)
+    profile = engine.profile_sps(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                 repeats=args.repeats, warmup=args.warmup, refresh=args.refresh)
     path = sps.cache_file(profile.key)
     plot = sps.plot_profile(profile, args.plot or path.with_suffix(".png"))
     for tokens, seconds in zip(profile.grid, profile.seconds):
@@ -375,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--max-len", type=int, default=2048, help="cache slots per request")
     prof.add_argument("--repeats", type=int, default=10, help="timed steps per bucket (median)")
     prof.add_argument("--warmup", type=int, default=3, help="untimed steps per bucket first")
+    prof.add_argument("--temperature", type=float, default=1.0,
+                      help="sampling of the profiled steps (0: greedy, cheaper); match the load")
+    prof.add_argument("--top-p", type=float, default=1.0)
+    prof.add_argument("--top-k", type=int, default=0)
     prof.add_argument("--refresh", action="store_true", help="measure again despite the cache")
     prof.add_argument("--plot", help="PNG path (default: beside the cached JSON)")
     prof.set_defaults(func=cmd_profile_sps)

@@ -4,7 +4,8 @@ For each concurrency C an engine with C slots replays the same prompts closed-lo
 (``loadgen.closed_loop``) once per policy. Policy specs:
 
 * ``full``, ``prefix``, ``production``: the verification policies of the same name; the two
-  schedulers read the engine's measured steps/s table (``Engine.profile_sps``, cached);
+  schedulers read the engine's measured steps/s table (``Engine.profile_sps``, cached),
+  profiled with the run's sampling parameters;
 * ``fixed<G>`` (e.g. ``fixed1``, the MTP-1 analogue): G drafts per request per step;
 * ``threshold<T>`` (e.g. ``threshold0.5``): the reference's static truncation;
 * ``fixed-best``: every fixed G in 1..P, reporting the best aggregate throughput at each C.
@@ -73,7 +74,7 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
         if any(spec in SPS_POLICIES for spec in policies):
             progress(f"C={users}: profiling steps/s over buckets {list(engine.buckets)}")
             profile = engine.profile_sps(repeats=sps_repeats, warmup=sps_warmup,
-                                         refresh=refresh_sps)
+                                         refresh=refresh_sps, **sampling)
             profiles[users] = profile.to_json()
             table = profile.table().tolist()
         for spec, variants in runs.items():

@@ -24,10 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import verification
+from dspark_jax.decoding.sampling import GREEDY_TEMPERATURE
 from dspark_jax.generation import prompt_bucket
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.scheduling import sps as sps_lib
 from dspark_jax.serving import step as step_lib
+
+
+def sampling_mode(temperature: float, top_p: float, top_k: int) -> str:
+    """"greedy", "sampled" or "sampled-truncated" (top-p < 1 or top-k > 0): what a step's cost
+    depends on among the sampling parameters."""
+    if temperature <= GREEDY_TEMPERATURE:
+        return "greedy"
+    return "sampled-truncated" if top_p < 1.0 or top_k > 0 else "sampled"
 
 
 @dataclasses.dataclass
@@ -297,21 +306,29 @@ class Engine:
 
     # -- steps/s profile ----------------------------------------------------------------------
 
-    def sps_key(self) -> dict:
-        """What the cost of a step depends on: the cache key of its steps/s profile."""
+    def sps_key(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:
+        """What the cost of a step depends on: the cache key of its steps/s profile.
+
+        Greedy steps skip the probability rows and the random draws, and truncated sampling
+        sorts the vocabulary, so the sampling mode is part of the key."""
         cfg, dcfg = self.target.config, self.drafter.config
         model = self.target.name or (f"{cfg.model_type}-L{cfg.num_hidden_layers}-d{cfg.hidden_size}"
                                      f"-V{cfg.vocab_size}")
         return dict(model=model, dtype=str(np.dtype(self.target.dtype)),
                     device_kind=jax.devices()[0].device_kind, buckets=list(self.buckets),
                     slots=self.num_slots, max_len=self.max_len,
+                    sampling=sampling_mode(temperature, top_p, top_k),
                     drafter=dict(layers=dcfg.num_layers, block_size=dcfg.block_size,
                                  head=dcfg.head, markov_rank=dcfg.markov_rank))
 
-    def profile_sps(self, *, repeats: int = 10, warmup: int = 3, refresh: bool = False,
+    def profile_sps(self, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    repeats: int = 10, warmup: int = 3, refresh: bool = False,
                     cache: bool = True, progress: Callable[[str], None] | None = None
                     ) -> sps_lib.SPSProfile:
         """Measures steps/s of this engine's decode step at every token bucket B (cached).
+
+        Profile with the sampling parameters of the load the table will schedule: a greedy
+        step costs less than a sampled one.
 
         A step is timed whole (policy, flat verify forward of B tokens, rejection sampling,
         draft step of all S slots, host read of its output): min(B, S) slots are active and
@@ -324,7 +341,7 @@ class Engine:
         def measure():
             prompt = [0] * min(8, self.max_len - 1)
             for slot in range(self.num_slots):
-                request = Request(0, prompt, self.max_len - len(prompt))
+                request = Request(0, prompt, self.max_len - len(prompt), temperature, top_p, top_k)
                 self._run_admit(self._admission(slot, request), jnp.asarray([-1], jnp.int32))
             no_eos = jnp.asarray([-1], jnp.int32)
             start_pos = np.full((self.num_slots,), len(prompt), np.int32)
@@ -349,4 +366,5 @@ class Engine:
             finally:
                 self._slots = self._slots.replace(active=jnp.zeros((self.num_slots,), bool))
 
-        return sps_lib.cached_profile(self.sps_key(), measure, refresh=refresh, cache=cache)
+        return sps_lib.cached_profile(self.sps_key(temperature, top_p, top_k), measure,
+                                      refresh=refresh, cache=cache)

@@ -3,6 +3,7 @@
 import json
 
 from dspark_jax import cli
+from dspark_jax.serving.engine import sampling_mode
 from dspark_jax.target import init_target
 
 TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=48,
@@ -19,7 +20,14 @@ def test_profile_sps_writes_table_and_plot(tmp_path, monkeypatch, capsys):
     assert "B =     2 tokens" in out and "B =     8 tokens" in out
     saved = json.loads(next((tmp_path / "cache" / "sps").glob("*.json")).read_text())
     assert saved["grid"] == [2, 8] and len(saved["table"]) == 9 and saved["key"]["slots"] == 1
+    assert saved["key"]["sampling"] == "sampled"  # --temperature 1 by default, as serve-bench
     assert (tmp_path / "sps.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sampling_mode_keys_the_profile():
+    assert sampling_mode(0.0, 0.9, 20) == "greedy"
+    assert sampling_mode(1.0, 1.0, 0) == "sampled"
+    assert sampling_mode(0.7, 0.8, 0) == sampling_mode(1.0, 1.0, 20) == "sampled-truncated"
 
 
 def test_serve_bench_needs_text_prompts(tmp_path, capsys):
