@@ -95,7 +95,8 @@ def cmd_calibrate(args) -> int:
     from dspark_jax.evaluation.calibration import save_calibration
 
     trace = concatenate_traces([AcceptanceTrace.load(p) for p in args.traces])
-    temperatures, fit = calibrate(trace, fit_fraction=args.fit_fraction, seed=args.seed)
+    temperatures, fit = calibrate(trace, fit_fraction=args.fit_fraction, seed=args.seed,
+                                  min_survivors=args.min_survivors)
     fit["traces"] = [str(p) for p in args.traces]
     path = save_calibration(args.drafter, temperatures, fit)
     held = fit["heldout"]
@@ -298,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--fit-fraction", type=float, default=0.5,
                      help="share of the requests used to fit; the rest reports before/after")
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--min-survivors", type=int, default=30,
+                     help="a position with fewer surviving rounds in the fit split keeps T = 1")
     cal.set_defaults(func=cmd_calibrate)
 
     prep = sub.add_parser("prepare-data", help="regenerate answers with the target (resumable)")

@@ -50,6 +50,9 @@ __all__ = [
 CALIBRATION_FILE = "calibration.json"
 # 401 log-spaced temperatures from 1/20 to 20 (the middle one is 1).
 DEFAULT_TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 401)
+# A position with fewer surviving rounds than this in the fitting split keeps T = 1: its ECE
+# is dominated by a handful of positives, and the grid search then runs to the grid's edge.
+DEFAULT_MIN_SURVIVORS = 30
 
 
 def _check_temperatures(temperatures, block_size: int | None = None) -> np.ndarray:
@@ -85,17 +88,20 @@ def scale_trace(trace: AcceptanceTrace, temperatures) -> AcceptanceTrace:
 
 
 def fit_sts(trace: AcceptanceTrace, grid: Sequence[float] = DEFAULT_TEMPERATURE_GRID,
-            num_bins: int = DEFAULT_NUM_BINS) -> np.ndarray:
+            num_bins: int = DEFAULT_NUM_BINS,
+            min_survivors: int = DEFAULT_MIN_SURVIVORS) -> np.ndarray:
     """Sequential Temperature Scaling on a fitting split.
 
     For ``k = 0..P-1``: ``T_k = argmin_{T in grid} ECE(prod_{j < k} c_j * sigmoid(z_k / T))``
     with the earlier ``c_j`` already calibrated.  Among equal minima the temperature closest to
-    1 (in log scale) wins, so a position without signal keeps its raw confidences.
+    1 (in log scale) wins, so a position without signal keeps its raw confidences; so does a
+    position where fewer than ``min_survivors`` rounds survive (too few positives to fit).
 
     Args:
       trace: ``n`` rounds of ``P`` raw logits (the fitting split; never the evaluation split).
       grid: ``[G]`` candidate temperatures, finite and positive.
       num_bins: ECE bins.
+      min_survivors: rounds with ``num_accepted > k`` needed to fit position ``k``.
 
     Returns:
       float64 ``[P]`` temperatures.
@@ -108,6 +114,10 @@ def fit_sts(trace: AcceptanceTrace, grid: Sequence[float] = DEFAULT_TEMPERATURE_
     prefix = np.zeros(trace.num_rounds)  # log prod_{j < k} c_j
     temperatures = np.empty(trace.block_size)
     for k in range(trace.block_size):
+        if labels[:, k].sum() < min_survivors:
+            temperatures[k] = 1.0
+            prefix = prefix + _log_sigmoid(z[:, k])
+            continue
         eces = np.array([
             expected_calibration_error(np.exp(prefix + _log_sigmoid(z[:, k] / t)), labels[:, k],
                                        num_bins)
@@ -132,24 +142,28 @@ def calibration_report(trace: AcceptanceTrace, temperatures,
 
 def calibrate(trace: AcceptanceTrace, fit_fraction: float = 0.5, seed: int = 0,
               grid: Sequence[float] = DEFAULT_TEMPERATURE_GRID,
-              num_bins: int = DEFAULT_NUM_BINS) -> tuple[np.ndarray, dict]:
+              num_bins: int = DEFAULT_NUM_BINS,
+              min_survivors: int = DEFAULT_MIN_SURVIVORS) -> tuple[np.ndarray, dict]:
     """Fits STS on a seeded request split and reports on the other (held-out) part.
 
     Args:
       trace: the full trace (several requests; see :func:`split_by_request`).
       fit_fraction: share of the requests used for fitting.
       seed: split seed.
-      grid, num_bins: as in :func:`fit_sts`.
+      grid, num_bins, min_survivors: as in :func:`fit_sts`.
 
     Returns:
       (float64 ``[P]`` temperatures, ``fit`` dict for ``calibration.json`` with keys
-      ``method, seed, fit_fraction, num_bins, fit_rounds, heldout_rounds, heldout`` where
+      ``method, seed, fit_fraction, num_bins, min_survivors, fit_survivors, fit_rounds,
+      heldout_rounds, heldout`` where
       ``heldout`` is :func:`calibration_report` on the held-out split).
     """
     fit_part, heldout = split_by_request(trace, fit_fraction, seed)
-    temperatures = fit_sts(fit_part, grid, num_bins)
+    temperatures = fit_sts(fit_part, grid, num_bins, min_survivors)
     fit = {"method": "sts", "seed": int(seed), "fit_fraction": float(fit_fraction),
-           "num_bins": int(num_bins), "fit_rounds": fit_part.num_rounds,
+           "num_bins": int(num_bins), "min_survivors": int(min_survivors),
+           "fit_survivors": survival_labels(fit_part).sum(axis=0).tolist(),
+           "fit_rounds": fit_part.num_rounds,
            "heldout_rounds": heldout.num_rounds,
            "heldout": calibration_report(heldout, temperatures, num_bins)}
     return temperatures, fit

@@ -85,6 +85,17 @@ def test_fit_sts_prefers_one_without_signal():
     np.testing.assert_allclose(fit_sts(trace), 1.0)
 
 
+def test_fit_sts_keeps_one_where_too_few_rounds_survive():
+    overconfident, _ = synthetic(num_requests=40, rounds_per_request=50)
+    survivors = survival_labels(overconfident).sum(axis=0)
+    cut = int(survivors[2]) + 1  # positions 0-1 have enough survivors, 2-4 do not
+    assert survivors[1] >= cut
+    temperatures = fit_sts(overconfident, min_survivors=cut)
+    assert np.all(temperatures[:2] > 2.0), temperatures  # the 3x overconfidence is fitted
+    np.testing.assert_array_equal(temperatures[2:], 1.0)
+    np.testing.assert_array_equal(fit_sts(overconfident, min_survivors=0)[:2], temperatures[:2])
+
+
 def test_scale_logits_shapes():
     z = np.array([[3.0, -2.0], [1.0, 4.0]])
     np.testing.assert_allclose(scale_logits(z, [3.0, 2.0]), [[1.0, -1.0], [1 / 3, 2.0]],
