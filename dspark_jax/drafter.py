@@ -75,7 +75,7 @@ class Drafter:
 
     @property
     def dtype(self):
-        return nnx.to_flat_state(self.state)[0][1].value.dtype
+        return nnx.to_flat_state(self.state)[0][1].get_value().dtype
 
     def save(self, path: str | os.PathLike, layout: str = "deepspec", *, dtype=None,
              target_tensors: bool = True) -> Path:

@@ -68,8 +68,9 @@ def logical_to_spec(names, shape, mesh, rules=LOGICAL_AXIS_RULES) -> PartitionSp
 def state_shardings(state: nnx.State, mesh, rules=LOGICAL_AXIS_RULES):
     """A pytree of NamedShardings matching ``state`` (from each parameter's axis names)."""
     def one(var):
-        names = var.get_metadata().get("out_sharding") or (None,) * var.value.ndim
-        return var.replace(NamedSharding(mesh, logical_to_spec(names, var.value.shape, mesh, rules)))
+        names = var.get_metadata().get("out_sharding") or (None,) * var.get_value().ndim
+        spec = logical_to_spec(names, var.get_value().shape, mesh, rules)
+        return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -64,7 +64,7 @@ class Target:
     @property
     def dtype(self):
         """Parameter dtype."""
-        return self.state["embed_tokens"]["embedding"].value.dtype
+        return self.state["embed_tokens"]["embedding"].get_value().dtype
 
     @property
     def model(self) -> Decoder:

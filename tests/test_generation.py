@@ -47,7 +47,7 @@ def test_mixed_lengths_batch_equals_each_alone(target):
 def test_eos_ends_each_row_and_is_included():
     # A zero LM head gives all-equal logits; greedy argmax then picks id 0, the EOS here.
     tgt = init_target(dict(TINY, tie_word_embeddings=False, eos_token_id=0), seed=3)
-    tgt.state["lm_head"].value = tgt.state["lm_head"].value * 0
+    tgt.state["lm_head"].set_value(tgt.state["lm_head"].get_value() * 0)
     result = dspark_jax.generate(tgt, [[5, 6, 7], [8]], max_new_tokens=8)
     for r in result:
         assert r.token_ids == [0]

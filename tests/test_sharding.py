@@ -51,7 +51,7 @@ SCRIPT = textwrap.dedent(r'''
         real = mask.astype(bool)
         specs = {}
         for path, var in nnx.to_flat_state(target.state):
-            value = var.value
+            value = var.get_value()
             specs["/".join(map(str, path))] = {
                 "spec": [None if a is None else (list(a) if isinstance(a, tuple) else a)
                          for a in value.sharding.spec],

@@ -183,7 +183,8 @@ def drafter_tensors(layout: str, cfg, state: nnx.State, target_state: nnx.State 
     """
     tensors = dict(hf.iter_torch_tensors(state, prefix="", overrides=OVERRIDES))
     if layout == "deepspec" and target_state is not None:
-        flat = {tuple(str(p) for p in path): v.value for path, v in nnx.to_flat_state(target_state)}
+        flat = {tuple(str(p) for p in path): v.get_value()
+                for path, v in nnx.to_flat_state(target_state)}
         embed = np.array(jax.device_get(flat[("embed_tokens", "embedding")]))
         head = (embed if target_config.tie_word_embeddings
                 else np.asarray(jax.device_get(flat[("lm_head",)])).T)
@@ -199,7 +200,7 @@ def tensor_shapes(layout: str, cfg, state: nnx.State, target_config) -> dict[str
     abstract, ``nnx.eval_shape``) drafter state: the names without allocating the weights."""
     shapes = {}
     for path, var in hf._flat_params(state).items():
-        shape = tuple(var.value.shape)
+        shape = tuple(var.get_value().shape)
         layered = path[0] == "layers"
         per_layer = shape[1:] if layered else shape
         if hf.is_transposed(path):
@@ -264,7 +265,7 @@ def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.S
         raise CheckpointError(
             "the dflash layout has no Markov or confidence head; this drafter has "
             f"head={cfg.head!r}, confidence_head={cfg.confidence_head}: use layout='deepspec'")
-    dtype = str(np.dtype(nnx.to_flat_state(state)[0][1].value.dtype))
+    dtype = str(np.dtype(nnx.to_flat_state(state)[0][1].get_value().dtype))
 
     def write(tmp: Path):
         for name, text in (extra_files or {}).items():

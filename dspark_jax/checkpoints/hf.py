@@ -133,8 +133,8 @@ def load_params(abstract_state: nnx.State, source: TensorSource, *, prefix: str,
     flat = _flat_params(abstract_state)
     values = {}
     for path, var in flat.items():
-        shape = tuple(var.value.shape)
-        target_dtype = dtype or var.value.dtype
+        shape = tuple(var.get_value().shape)
+        target_dtype = dtype or var.get_value().dtype
         layered = path[0] == "layers"
         per_layer = shape[1:] if layered else shape
         count = shape[0] if layered else 1
@@ -162,7 +162,7 @@ def load_params(abstract_state: nnx.State, source: TensorSource, *, prefix: str,
             progress.update(1)
     state = jax.tree.map(lambda x: x, abstract_state)
     for path, var in nnx.to_flat_state(state):
-        var.value = jnp.asarray(values[tuple(str(p) for p in path)])
+        var.set_value(jnp.asarray(values[tuple(str(p) for p in path)]))
     return state
 
 
@@ -171,7 +171,7 @@ def iter_torch_tensors(state: nnx.State, *, prefix: str, overrides: Mapping[tupl
     """Yields (torch key, numpy array in torch layout) for every parameter of a state."""
     overrides = dict(overrides or {})
     for path, var in _flat_params(state).items():
-        array = np.asarray(jax.device_get(var.value))
+        array = np.asarray(jax.device_get(var.get_value()))
         layered = path[0] == "layers"
         for i in range(array.shape[0] if layered else 1):
             tensor = array[i] if layered else array

@@ -83,7 +83,7 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden [..., d] -> float32 logits [..., V]."""
-        head = self.embed_tokens.embedding.value.T if self.lm_head is None else self.lm_head.value
+        head = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
 
     def rope(self, positions: jax.Array):

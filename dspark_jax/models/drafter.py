@@ -169,7 +169,7 @@ class DrafterModel(nnx.Module):
     def mask_vector(self, target: Decoder) -> jax.Array:
         """The mask-slot embedding [d]: the trained vector or the target's row mask_token_id."""
         if self.mask_embedding is not None:
-            return self.mask_embedding.value
+            return self.mask_embedding[...]
         return target.embed_tokens(jnp.asarray(self.cfg.mask_token_id))
 
     def block_embeddings(self, target: Decoder, anchor_tokens: jax.Array,
@@ -186,7 +186,7 @@ class DrafterModel(nnx.Module):
     def init_cache(self, batch: int, slots: int, dtype=None) -> KVCache:
         """An empty draft context cache [num_layers, batch, slots, K, D]."""
         cfg = self.model_cfg
-        dtype = dtype or self.fc.kernel.value.dtype
+        dtype = dtype or self.fc.kernel[...].dtype
         return KVCache.zeros(self.cfg.num_layers, batch, slots, cfg.num_key_value_heads,
                              cfg.head_dim, dtype)
 

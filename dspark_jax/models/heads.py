@@ -32,7 +32,7 @@ class TokenTable(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int [...] -> [..., r]."""
-        return jnp.take(self.embedding.value, tokens, axis=0)
+        return jnp.take(self.embedding[...], tokens, axis=0)
 
 
 class MarkovHead(nnx.Module):
@@ -52,7 +52,7 @@ class MarkovHead(nnx.Module):
 
     def project(self, latent: jax.Array) -> jax.Array:
         """[..., r] -> float32 bias [..., V]."""
-        return jnp.einsum("...r,rv->...v", latent, self.markov_w2.kernel.value,
+        return jnp.einsum("...r,rv->...v", latent, self.markov_w2.kernel[...],
                           preferred_element_type=jnp.float32)
 
     def init_state(self, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -152,6 +152,6 @@ class ConfidenceHead(nnx.Module):
         """hidden [..., d], prev_embedding [..., r] or None -> float32 logits [...]."""
         features = hidden if prev_embedding is None else jnp.concatenate(
             [hidden, prev_embedding.astype(hidden.dtype)], axis=-1)
-        kernel = self.proj.kernel.value.astype(jnp.float32)
+        kernel = self.proj.kernel[...].astype(jnp.float32)
         logit = jnp.einsum("...i,io->...o", features.astype(jnp.float32), kernel)
-        return (logit + self.proj.bias.value.astype(jnp.float32))[..., 0]
+        return (logit + self.proj.bias[...].astype(jnp.float32))[..., 0]

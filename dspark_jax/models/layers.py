@@ -42,7 +42,7 @@ class RMSNorm(nnx.Module):
         """x: [..., dim] -> [..., dim] in x.dtype."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value * xf.astype(x.dtype)
+        return self.weight[...] * xf.astype(x.dtype)
 
 
 class Embedding(nnx.Module):
@@ -53,7 +53,7 @@ class Embedding(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int [...] -> [..., d]."""
-        return jnp.take(self.embedding.value, tokens, axis=0)
+        return jnp.take(self.embedding[...], tokens, axis=0)
 
 
 class Linear(nnx.Module):
@@ -65,8 +65,8 @@ class Linear(nnx.Module):
         self.bias = _param(None, (d_out,), dtype, names[1:], init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x, self.kernel.value)
-        return y if self.bias is None else y + self.bias.value
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+        return y if self.bias is None else y + self.bias[...]
 
 
 class MLP(nnx.Module):

@@ -53,8 +53,8 @@ def target():
 
 def _assert_same(a, b):
     assert a.config == b.config and a.model_config == b.model_config
-    flat_a = {p: v.value for p, v in nnx.to_flat_state(a.state)}
-    flat_b = {p: v.value for p, v in nnx.to_flat_state(b.state)}
+    flat_a = {p: v.get_value() for p, v in nnx.to_flat_state(a.state)}
+    flat_b = {p: v.get_value() for p, v in nnx.to_flat_state(b.state)}
     assert flat_a.keys() == flat_b.keys()
     for path in flat_a:
         np.testing.assert_array_equal(flat_a[path], flat_b[path], err_msg=str(path))
@@ -72,7 +72,7 @@ def test_qwen3_4b_names_and_shapes_without_allocation():
     target_cfg = model_config_from_hf(QWEN3_4B)
     model_cfg = deepspec.draft_model_config(target_cfg, cfg.num_layers)
     _, abstract = deepspec.abstract_drafter(model_cfg, cfg, jax.numpy.bfloat16)
-    assert isinstance(nnx.to_flat_state(abstract)[0][1].value, jax.ShapeDtypeStruct)
+    assert isinstance(nnx.to_flat_state(abstract)[0][1].get_value(), jax.ShapeDtypeStruct)
     shapes = deepspec.tensor_shapes("deepspec", cfg, abstract, target_cfg)
     assert shapes == spec_shapes(d=2560, heads=32, kv=8, hd=128, inner=9728, vocab=151936, taps=5,
                                  rank=256, layers=5)
@@ -101,10 +101,10 @@ def test_deepspec_round_trip(target, tmp_path, head):
              "rnn": {"markov_head.joint_proj.weight": (24, 48), "markov_head.joint_proj.bias": (24,)}}
     expected.update(extra.get(head, {}))
     assert {k: v.shape for k, v in tensors.items()} == expected
-    embed = np.asarray(target.state["embed_tokens"]["embedding"].value)
+    embed = np.asarray(target.state["embed_tokens"]["embedding"].get_value())
     np.testing.assert_array_equal(tensors["embed_tokens.weight"], embed)
     np.testing.assert_array_equal(tensors["lm_head.weight"],
-                                  np.asarray(target.state["lm_head"].value).T)
+                                  np.asarray(target.state["lm_head"].get_value()).T)
     config = json.loads((folder / "config.json").read_text())
     assert config["markov_head_type"] == {"gated": "gated", "rnn": "rnn"}.get(head, "vanilla")
     _assert_same(drafter, dspark_jax.load_drafter(folder, target))

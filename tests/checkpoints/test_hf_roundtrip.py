@@ -23,7 +23,7 @@ IDS = np.random.default_rng(0).integers(3, 128, (2, 13))
 
 
 def _flat(target):
-    return {tuple(map(str, path)): np.asarray(var.value)
+    return {tuple(map(str, path)): np.asarray(var.get_value())
             for path, var in nnx.to_flat_state(target.state)}
 
 

@@ -28,7 +28,7 @@ def _inputs(seed=0):
 def _heads(kind):
     head = make_head(kind, vocab=V, rank=R, hidden_size=D, dtype=jnp.float32, rngs=nnx.Rngs(1))
     if head is not None:  # larger weights than the 0.02 init, so the bias matters
-        head.markov_w2.kernel.value = head.markov_w2.kernel.value * 100.0
+        head.markov_w2.kernel.set_value(head.markov_w2.kernel.get_value() * 100.0)
     conf = ConfidenceHead(hidden_size=D, rank=R if head is not None else 0, dtype=jnp.float32,
                           rngs=nnx.Rngs(2))
     return head, conf
@@ -70,7 +70,7 @@ def test_scan_equals_python_loop(kind, temperature, top_p):
 
 def test_zero_w2_is_dflash():
     head, _ = _heads("markov")
-    head.markov_w2.kernel.value = jnp.zeros_like(head.markov_w2.kernel.value)
+    head.markov_w2.kernel.set_value(jnp.zeros_like(head.markov_w2.kernel.get_value()))
     hidden, base, anchor = _inputs(1)
     kwargs = dict(confidence_head=None, confidence_with_markov=False, hidden=hidden,
                   base_logits=base, anchor_tokens=anchor, key=jax.random.key(3), temperature=1.0)
@@ -84,8 +84,8 @@ def test_zero_w2_is_dflash():
 def test_markov_bias_chain_under_greedy():
     # Rank V with W1 = I: the head is an exact successor table, prev -> prev + 1 (mod V).
     head = make_head("markov", vocab=V, rank=V, hidden_size=D, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    head.markov_w1.embedding.value = jnp.eye(V)
-    head.markov_w2.kernel.value = 10.0 * jnp.roll(jnp.eye(V), 1, axis=1)
+    head.markov_w1.embedding.set_value(jnp.eye(V))
+    head.markov_w2.kernel.set_value(10.0 * jnp.roll(jnp.eye(V), 1, axis=1))
     hidden, base, _ = _inputs(2)
     anchor = jnp.array([3, 20])
     out = sample_block(head=head, confidence_head=None, confidence_with_markov=False,
@@ -102,13 +102,15 @@ def test_rnn_head_step_matches_equation_6():
     s0 = head.init_state((B,))
     np.testing.assert_array_equal(s0, np.zeros((B, R)))
     state, bias = head.step(s0, anchor, hidden[:, 0])
-    w1 = np.asarray(head.markov_w1.embedding.value)
+    w1 = np.asarray(head.markov_w1.embedding.get_value())
     z = np.concatenate([np.zeros((B, R)), w1[np.asarray(anchor)], np.asarray(hidden[:, 0])], -1)
-    joint = z @ np.asarray(head.joint_proj.kernel.value) + np.asarray(head.joint_proj.bias.value)
+    joint = (z @ np.asarray(head.joint_proj.kernel.get_value())
+             + np.asarray(head.joint_proj.bias.get_value()))
     g, c, o = np.split(joint, 3, -1)
     gate = 1 / (1 + np.exp(-g))
     np.testing.assert_allclose(state, (1 - gate) * np.tanh(c), atol=1e-5)
-    np.testing.assert_allclose(bias, np.tanh(o) @ np.asarray(head.markov_w2.kernel.value), atol=1e-4)
+    w2 = np.asarray(head.markov_w2.kernel.get_value())
+    np.testing.assert_allclose(bias, np.tanh(o) @ w2, atol=1e-4)
 
 
 def test_sampling_parameters_do_not_recompile():

@@ -155,7 +155,7 @@ def law_models():
     target = init_target(config, seed=7)
     # A larger LM head makes the target (and the drafter, which shares it) far from uniform,
     # and the two disagree, so a wrong acceptance rule visibly changes the output law.
-    target.state["lm_head"].value = target.state["lm_head"].value * 25
+    target.state["lm_head"].set_value(target.state["lm_head"].get_value() * 25)
     return target, dspark_jax.init_drafter(target, seed=8, block_size=3)
 
 

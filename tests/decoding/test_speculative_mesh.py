@@ -26,8 +26,10 @@ SCRIPT = textwrap.dedent(r'''
         target = init_target(CONFIG, seed=1)
         drafter = dspark_jax.init_drafter(target, seed=2)
         out = dspark_jax.generate(target, PROMPTS, max_new_tokens=16, drafter=drafter)
-        spec = getattr(target.state["layers"]["self_attn"]["q_proj"]["kernel"].value.sharding, "spec", None)
-        dspec = getattr(drafter.state["layers"]["mlp"]["up_proj"]["kernel"].value.sharding, "spec", None)
+        q_kernel = target.state["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
+        spec = getattr(q_kernel.sharding, "spec", None)
+        up_kernel = drafter.state["layers"]["mlp"]["up_proj"]["kernel"].get_value()
+        dspec = getattr(up_kernel.sharding, "spec", None)
         return [r.token_ids for r in out], str(spec), str(dspec)
 
     report = {"single": run()}

@@ -184,13 +184,13 @@ def test_default_config_from_target():
 def test_overrides_and_errors(qwen3):
     d = dspark_jax.init_drafter(qwen3, block_size=3, num_layers=1, head="gated", markov_rank=4,
                                 target_layer_ids=(0, 2), mask_token_id=5)
-    shapes = {tuple(map(str, p)): v.value.shape for p, v in nnx.to_flat_state(d.state)}
+    shapes = {tuple(map(str, p)): v.get_value().shape for p, v in nnx.to_flat_state(d.state)}
     assert shapes[("markov_head", "gate_proj", "kernel")] == (32 + 4, 4)
     assert shapes[("fc", "kernel")] == (2 * 32, 32)
     assert shapes[("layers", "self_attn", "q_proj", "kernel")] == (1, 32, 32)
     base = dspark_jax.init_drafter(qwen3, head="none")
     assert base.config.markov_rank == 0 and base.model.markov_head is None
-    assert base.model.confidence_head.proj.kernel.value.shape == (32, 1)
+    assert base.model.confidence_head.proj.kernel.get_value().shape == (32, 1)
     with pytest.raises(ValueError, match="out of range"):
         dspark_jax.init_drafter(qwen3, target_layer_ids=(0, 3))
     with pytest.raises(ValueError, match="unknown drafter config field"):
