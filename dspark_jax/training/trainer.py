@@ -128,6 +128,10 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     hosts = jax.process_count()
     if tcfg.global_batch_size % hosts:
         raise ValueError(f"global_batch_size {tcfg.global_batch_size} does not split over {hosts} hosts")
+    row_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if tcfg.global_batch_size % row_shards:
+        raise ValueError(f"global_batch_size {tcfg.global_batch_size} does not split over the "
+                         f"{row_shards} row shards (data x fsdp) of mesh_shape {tuple(mesh.shape.values())}")
     data = make_pipeline(_data_dirs(tcfg), batch_size=tcfg.global_batch_size // hosts,
                          pack_length=tcfg.pack_length, anchors_per_row=tcfg.anchors_per_row,
                          anchors_per_sequence=drafter.config.num_anchors,

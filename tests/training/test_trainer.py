@@ -10,8 +10,10 @@ import sys
 import textwrap
 import time
 
+import jax
 import numpy as np
 import pytest
+from conftest import run_on_cpu_devices
 
 import dspark_jax
 from dspark_jax.target import init_target
@@ -111,6 +113,53 @@ def test_resume_after_kill_matches_uninterrupted(setup, uninterrupted):
     assert max(killed) < 8
     for step in resumed:
         assert resumed[step] == full[step], (step, resumed[step], full[step])
+
+
+RESUME_ON_MESH_SCRIPT = textwrap.dedent(r'''
+    import contextlib
+    import io
+    import json
+    import sys
+    import jax
+    from dspark_jax import cli
+
+    assert len(jax.devices()) == 8
+    rc = cli.main(["train", "--config", sys.argv[1], "--workdir", sys.argv[2],
+                   "--train.mesh_shape=(1, 2, 4)"])
+    with open(sys.argv[2] + "/metrics.jsonl") as f:
+        report = dict(rc=rc, losses=[json.loads(line) for line in f])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # 2 rows do not split over data x fsdp = 4
+        report["bad_rc"] = cli.main(["train", "--config", sys.argv[1], "--workdir",
+                                     sys.argv[2] + "_bad", "--train.mesh_shape=(2, 2, 2)"])
+    report["bad_error"] = err.getvalue()
+    print("REPORT " + json.dumps(report))
+''')
+
+
+def test_resume_onto_another_mesh(setup, uninterrupted, tmp_path):
+    """A checkpoint written on one device (step 7 of 8) resumes on a (1, 2, 4) mesh of 8
+    simulated devices: step 8 gives the uninterrupted run's loss and parameters. A mesh whose
+    data x fsdp shards do not divide the batch is refused with a clear error."""
+    import shutil
+
+    root, config = setup
+    workdir = tmp_path / "remeshed"
+    shutil.copytree(uninterrupted / "checkpoints", workdir / "checkpoints")
+    shutil.rmtree(workdir / "checkpoints" / "8")
+    script = tmp_path / "resume_on_mesh.py"
+    script.write_text(RESUME_ON_MESH_SCRIPT)
+    report = run_on_cpu_devices([str(script), str(config), str(workdir)])
+    assert report["rc"] == 0
+    assert [r["step"] for r in report["losses"]] == [8]
+    assert report["bad_rc"] == 2
+    assert "global_batch_size 2 does not split over the 4 row shards" in report["bad_error"]
+    np.testing.assert_allclose(report["losses"][0]["loss"], losses(uninterrupted)[8], rtol=1e-5)
+    target = dspark_jax.load_target(root / "target")
+    resumed = dspark_jax.load_drafter(workdir / "drafter", target)
+    full = dspark_jax.load_drafter(uninterrupted / "drafter", target)
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(full.state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def _free_port():
