@@ -18,7 +18,8 @@ One decode step:
      token bucket >= sum_s (1 + n_s), and the target runs once over them
      (:func:`dspark_jax.models.ragged.ragged_forward`, one ``lax.switch`` branch per bucket);
   3. rejection sampling (``decoding/rejection.py``) accepts a prefix of each slot and draws the
-     corrected / bonus token; emitted tokens are cut at EOS and at the request's limit;
+     corrected / bonus token (from the argmax alone when every active slot is greedy); emitted
+     tokens are cut at EOS and at the request's limit;
   4. the drafter consumes the taps of each slot's verified inputs and drafts the next block.
 
 Shapes: S slots, P proposals per block, Q = P + 1, N cache slots per row, V vocabulary,
@@ -36,7 +37,7 @@ from flax import nnx, struct
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.autoregressive import SamplingParams, is_eos
 from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
-from dspark_jax.decoding.sampling import sample, sampling_probs
+from dspark_jax.decoding.sampling import GREEDY_TEMPERATURE, argmax, sample, sampling_probs
 from dspark_jax.decoding.speculative import emit_round
 from dspark_jax.decoding.verification import policy_lengths
 from dspark_jax.models.kv_cache import KVCache
@@ -209,34 +210,49 @@ def decode_step(target_graphdef: nnx.GraphDef, target_state: nnx.State,
     tokens = verify_tokens[safe_rows, cols]
     positions = anchor_pos[safe_rows] + cols
 
+    key, k_verify, k_draft = jax.random.split(slots.key, 3)
+    all_greedy = jnp.all((sampling.temperature <= GREEDY_TEMPERATURE) | ~active)
+
     def verify_branch(size):
-        """Target forward over the first ``size`` flat tokens; rows come back in the [S, Q] grid."""
-        def run(t_cache, tokens, positions, rows, cols, sampling):
+        """Target forward over the first ``size`` flat tokens and the verdict of every slot; the
+        verified rows come back in the [S, Q] grid. When every active slot is greedy the verdict
+        comes from the target's argmax alone (``rejection.greedy_verify``), without the
+        probability rows."""
+        def run(t_cache, tokens, positions, rows, cols, sampling, num_draft):
             o = ragged_forward(target, tokens[:size], positions[:size], rows[:size], cols[:size],
                                anchor_pos, t_cache, width=width, tap_layer_ids=taps)
-            row_of = jnp.minimum(rows[:size], num_slots - 1)
-            probs = sampling_probs(target.logits(o.hidden), sampling.temperature[row_of],
-                                   sampling.top_p[row_of], sampling.top_k[row_of])
-            grid = jnp.zeros((num_slots, width) + probs.shape[1:], probs.dtype)
-            grid = grid.at[rows[:size], cols[:size]].set(probs, mode="drop")
+            logits = target.logits(o.hidden)  # [size, V]
+            at = (rows[:size], cols[:size])
+
+            def sampled():
+                row_of = jnp.minimum(rows[:size], num_slots - 1)
+                probs = sampling_probs(logits, sampling.temperature[row_of],
+                                       sampling.top_p[row_of], sampling.top_k[row_of])
+                grid = jnp.zeros((num_slots, width) + probs.shape[1:], probs.dtype)
+                grid = grid.at[at].set(probs, mode="drop")
+                return rejection.rejection_sample(k_verify, slots.block_tokens, slots.block_probs,
+                                                  grid, num_draft)
+
+            def greedy():
+                grid = jnp.zeros((num_slots, width), jnp.int32).at[at].set(argmax(logits), mode="drop")
+                return rejection.greedy_verify(slots.block_tokens, grid, num_draft)
+
+            verdict = jax.lax.cond(all_greedy, greedy, sampled)
             tap_grid = jnp.zeros((num_slots, width) + o.taps.shape[1:], o.taps.dtype)
-            tap_grid = tap_grid.at[rows[:size], cols[:size]].set(o.taps, mode="drop")
-            return grid, tap_grid, o.new_k, o.new_v
+            tap_grid = tap_grid.at[at].set(o.taps, mode="drop")
+            return verdict, tap_grid, o.new_k, o.new_v
         return run
 
     bucket = jnp.searchsorted(jnp.asarray(buckets), total).astype(jnp.int32)
-    target_probs, new_taps, new_k, new_v = jax.lax.switch(
+    verdict, new_taps, new_k, new_v = jax.lax.switch(
         bucket, [verify_branch(size) for size in buckets], caches.target, tokens, positions, rows,
-        cols, sampling)
+        cols, sampling, num_draft)
     index = jnp.arange(width)
     verified = active[:, None] & (index[None, :] <= num_draft[:, None])  # [S, Q]
     num_cache_slots = caches.target.num_slots
     written = jnp.where(verified, anchor_pos[:, None] + index, num_cache_slots)  # else dropped
     t_cache = caches.target.write(new_k, new_v, written)
 
-    key, k_verify, k_draft = jax.random.split(slots.key, 3)
-    verdict = rejection.rejection_sample(k_verify, slots.block_tokens, slots.block_probs,
-                                         target_probs, num_draft)
     accepted = verdict.num_accepted
 
     # Emit accepted + next token, cut after the first EOS and at the request's max_new_tokens.
