@@ -99,13 +99,18 @@ def shard_state(state: nnx.State, mesh=None, rules=LOGICAL_AXIS_RULES) -> nnx.St
 
 
 
-def constrain_rows(x: jax.Array, axis: int = 0) -> jax.Array:
-    """Inside jit under ``jax.set_mesh``: shard ``x``'s request axis over the data axes (data
-    parallel over requests); a no-op without a mesh or when the rows do not divide evenly."""
+def constrain(x: jax.Array, names) -> jax.Array:
+    """Inside jit under ``jax.set_mesh``: shard ``x`` by its logical axis ``names`` (uneven dims
+    replicated; all None replicates it); a no-op without a mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
+
+
+def constrain_rows(x: jax.Array, axis: int = 0) -> jax.Array:
+    """Inside jit under ``jax.set_mesh``: shard ``x``'s request axis over the data axes (data
+    parallel over requests); a no-op without a mesh or when the rows do not divide evenly."""
     names = [None] * x.ndim
     names[axis] = "batch"
-    spec = logical_to_spec(names, x.shape, mesh)
-    return jax.lax.with_sharding_constraint(x, spec)
+    return constrain(x, names)

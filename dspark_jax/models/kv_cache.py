@@ -25,11 +25,17 @@ class KVCache:
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
               dtype) -> "KVCache":
-        """An empty cache; inside jit under a mesh its rows are sharded over the data axes.
+        """An empty cache, laid out by :meth:`constrain`.
 
         k and v are separate buffers, so the cache can be donated to a jitted function."""
         shape = (num_layers, batch, slots, kv_heads, head_dim)
-        return cls(*(sharding.constrain_rows(jnp.zeros(shape, dtype), axis=1) for _ in range(2)))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)).constrain()
+
+    def constrain(self) -> "KVCache":
+        """Inside jit under a mesh: rows sharded over the data axes, kv heads over the tensor
+        axis (a no-op without a mesh)."""
+        names = (None, "batch", None, "kv_heads", None)
+        return KVCache(sharding.constrain(self.k, names), sharding.constrain(self.v, names))
 
     @property
     def num_slots(self) -> int:

@@ -9,7 +9,9 @@ requests that finished. Callers drive the loop, so requests can arrive at any st
 Compiled programs: one decode step per verification policy (and SPS table length; its verify
 forward is a ``lax.switch`` over the token buckets) and one admission per prompt bucket;
 sampling settings, policy parameters and the SPS table's values are traced, so changing them
-never recompiles. The engine runs on the default device (no mesh).
+never recompiles. Under ``jax.set_mesh`` (with the models loaded under the same mesh) the
+engine runs data parallel over slots and tensor parallel over heads: cache rows are sharded
+over the data axes, kv heads over the tensor axis, and the small slot state is replicated.
 """
 
 from __future__ import annotations
@@ -124,15 +126,18 @@ class Engine:
         self.compile_s = 0.0
         self.set_policy(policy, policy_params)
         cfg = target.config
-        # Donated state: every leaf needs its own buffer (Slots.empty shares zero arrays; the KV
-        # caches are separate buffers already).
-        self._slots = jax.tree.map(lambda x: jnp.array(x, copy=True),
-                                   step_lib.Slots.empty(slots, self.proposals, cfg.vocab_size,
-                                                        step_key))
-        self._caches = step_lib.Caches(
-            KVCache.zeros(cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads,
-                          cfg.head_dim, target.dtype),
-            drafter.model.init_cache(slots, max_len))
+
+        def empty_state(key):
+            caches = step_lib.Caches(
+                KVCache.zeros(cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads,
+                              cfg.head_dim, target.dtype),
+                drafter.model.init_cache(slots, max_len))
+            return step_lib.laid_out(
+                step_lib.Slots.empty(slots, self.proposals, cfg.vocab_size, key), caches)
+
+        # Under jax.set_mesh the state is laid out over the mesh (step_lib.laid_out); every leaf
+        # is its own buffer, so the state can be donated.
+        self._slots, self._caches = jax.jit(empty_state)(step_key)
         self._free = list(range(slots))
         self._running: dict[int, Request] = {}
         self._queue: collections.deque[Request] = collections.deque()
@@ -192,6 +197,11 @@ class Engine:
         dynamic = (a for i, a in enumerate(args) if i not in (0, 2))
         self._slots, self._caches, out = program(*dynamic)
         return out
+
+    def _like_slots(self, **fields: np.ndarray) -> dict:
+        """Host values for slot fields, placed like the current ones (their shardings)."""
+        return {name: jax.device_put(value, getattr(self._slots, name).sharding)
+                for name, value in fields.items()}
 
     def _prompt_width(self, length: int) -> int:
         return min(prompt_bucket(length), self.max_len)
@@ -348,9 +358,8 @@ class Engine:
 
             def time_step(tokens: int) -> float:
                 active = np.arange(self.num_slots) < min(tokens, self.num_slots)
-                self._slots = self._slots.replace(
-                    active=jnp.asarray(active), anchor_pos=jnp.asarray(start_pos),
-                    generated=jnp.ones((self.num_slots,), jnp.int32))
+                self._slots = self._slots.replace(**self._like_slots(
+                    active=active, anchor_pos=start_pos, generated=np.ones_like(start_pos)))
                 params = verification.default_params(
                     spread_drafts, self.num_slots, self.proposals,
                     {"gamma": tokens - min(tokens, self.num_slots)}, self._temperatures)
@@ -364,7 +373,8 @@ class Engine:
                 return sps_lib.measure_grid(time_step, self.buckets, repeats=repeats,
                                             warmup=warmup, progress=progress)
             finally:
-                self._slots = self._slots.replace(active=jnp.zeros((self.num_slots,), bool))
+                self._slots = self._slots.replace(
+                    **self._like_slots(active=np.zeros((self.num_slots,), bool)))
 
         return sps_lib.cached_profile(self.sps_key(temperature, top_p, top_k), measure,
                                       refresh=refresh, cache=cache)

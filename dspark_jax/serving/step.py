@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dspark_jax import sharding
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.autoregressive import SamplingParams, is_eos
 from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
@@ -74,6 +75,15 @@ class Slots:
 class Caches:
     target: KVCache  # k/v [L, S, N, K, D]
     drafter: KVCache  # k/v [L_draft, S, N, K, D]
+
+
+def laid_out(slots: Slots, caches: Caches) -> tuple[Slots, Caches]:
+    """The engine state's layout under a mesh (inside jit; a no-op without a mesh): slot state
+    replicated, cache rows over the data axes and kv heads over the tensor axis. The engine
+    creates its state laid out so and every program returns it so, so each program receives
+    the shardings it was compiled for."""
+    slots = jax.tree.map(lambda x: sharding.constrain(x, (None,) * x.ndim), slots)
+    return slots, Caches(caches.target.constrain(), caches.drafter.constrain())
 
 
 @struct.dataclass
@@ -179,7 +189,7 @@ def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State, drafter_graphd
         sampling=SamplingParams(s.temperature.at[slot].set(request.temperature),
                                 s.top_p.at[slot].set(request.top_p),
                                 s.top_k.at[slot].set(request.top_k)))
-    return slots, Caches(t_cache, d_cache), first[0], done
+    return *laid_out(slots, Caches(t_cache, d_cache)), first[0], done
 
 
 def decode_step(target_graphdef: nnx.GraphDef, target_state: nnx.State,
@@ -271,4 +281,4 @@ def decode_step(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                           confidence=conf, history=jnp.stack([slots.history[1], conf]), key=key)
     out = StepOutput(em.tokens, em.count, em.finished, jnp.where(active, accepted, 0), num_draft,
                      em.tau, total, bucket)
-    return slots, Caches(t_cache, drafted.cache), out
+    return *laid_out(slots, Caches(t_cache, drafted.cache)), out

@@ -1,4 +1,5 @@
-"""The speculative engine on meshes of 8 simulated CPU devices gives the single-device output.
+"""The speculative engine and the serving engine on meshes of 8 simulated CPU devices give the
+single-device output.
 
 The device count is fixed when JAX initialises, so the run happens in a subprocess started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``conftest.run_on_cpu_devices``); it
@@ -14,6 +15,7 @@ SCRIPT = textwrap.dedent(r'''
     import jax
     import dspark_jax
     from dspark_jax import sharding
+    from dspark_jax.serving.engine import Engine
     from dspark_jax.target import init_target
 
     assert len(jax.devices()) == 8
@@ -32,17 +34,37 @@ SCRIPT = textwrap.dedent(r'''
         dspec = getattr(up_kernel.sharding, "spec", None)
         return [r.token_ids for r in out], str(spec), str(dspec)
 
-    report = {"single": run()}
+    def serve():
+        """Continuous batching: 5 greedy requests through 4 slots, and one sampled request."""
+        target = init_target(CONFIG, seed=1)
+        drafter = dspark_jax.init_drafter(target, seed=2)
+        engine = Engine(target, drafter, slots=4, max_len=64)
+        requests = [engine.submit(p, max_new_tokens=12) for p in PROMPTS + [[6, 6, 6]]]
+        sampled = engine.submit([9, 8, 7], max_new_tokens=12, temperature=1.0)
+        engine.run()
+        k = engine._caches.target.k
+        return ([r.tokens for r in requests], len(sampled.tokens),
+                str(getattr(k.sharding, "spec", None)))
+
+    report = {"single": run(), "serve_single": serve()}
     for shape in [(1, 1, 8), (2, 1, 4)]:
         with jax.set_mesh(sharding.make_mesh(shape)):
             report[str(shape)] = run()
+    with jax.set_mesh(sharding.make_mesh((2, 1, 4))):
+        report["serve_mesh"] = serve()
     print("REPORT " + json.dumps(report))
 ''')
 
 
 def test_greedy_on_meshes_equals_single_device():
+    """Batch engine on (1, 1, 8) and (2, 1, 4), serving engine on (2, 1, 4)."""
     report = run_on_cpu_devices(["-c", SCRIPT])
     single_tokens = report.pop("single")[0]
+    served, served_sampled, _ = report.pop("serve_single")
+    tokens, sampled_len, cache_spec = report.pop("serve_mesh")
+    assert tokens == served  # greedy: the same tokens
+    assert 0 < sampled_len <= 12 and 0 < served_sampled <= 12  # a sampled request completes too
+    assert "data" in cache_spec and "tensor" in cache_spec, cache_spec  # rows and kv heads
     for shape, (tokens, target_spec, drafter_spec) in report.items():
         assert tokens == single_tokens, shape
         assert "tensor" in target_spec and "tensor" in drafter_spec, (shape, target_spec, drafter_spec)
