@@ -50,7 +50,8 @@ def test_report_equals_the_statistics_of_generate(pair):
     counters, rounds = [], 0
     for start in range(0, len(PROMPTS), 2):
         for r in dspark_jax.generate(target, PROMPTS[start:start + 2], max_new_tokens=16,
-                                     temperature=temperature, seed=7 + start, drafter=drafter):
+                                     temperature=temperature, seed=7 + start, drafter=drafter,
+                                     record=True):  # run_benchmark's compiled programs
             counters.append(r.stats["counters"])
             rounds += r.stats["rounds"]
     direct = stats_from_counters(sum_counters(counters))
