@@ -65,9 +65,14 @@ def load_benchmark(name: str, data_dir: str | Path | None = None,
     if not path.is_file():
         raise ValueError(f"benchmark file {path} not found")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    # Lines end at "\n" only: str.splitlines would also cut at U+2028 and other separators
+    # that JSON strings may hold (arena-hard-v2 has them).
+    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if line.strip():
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
             turns = record.get("turns")
             if not turns or not isinstance(turns[0], str):
                 raise ValueError(f"{path}:{number}: expected a non-empty 'turns' list of strings")

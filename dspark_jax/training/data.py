@@ -51,7 +51,11 @@ def read_prompts(files: Sequence[str | os.PathLike]) -> list[str]:
         with open(file, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if line.strip():
-                    prompts.append(_prompt_text(json.loads(line), f"{file}:{line_no}"))
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{file}:{line_no}: not a JSON object ({e})") from None
+                    prompts.append(_prompt_text(record, f"{file}:{line_no}"))
     return prompts
 
 

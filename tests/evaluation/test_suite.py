@@ -39,6 +39,13 @@ def test_load_benchmark_caps_with_the_seeded_shuffle(tmp_path):
     (tmp_path / "mbpp.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="mbpp.jsonl:1"):
         suite.load_benchmark("mbpp", tmp_path)
+    # A line separator inside a JSON string does not end the line; a broken line is named.
+    (tmp_path / "alpaca.jsonl").write_text(json.dumps({"turns": ["a\u2028b"]}, ensure_ascii=False)
+                                           + "\n", encoding="utf-8")
+    assert suite.load_benchmark("alpaca", tmp_path) == ["a\u2028b"]
+    (tmp_path / "alpaca.jsonl").write_text('{"turns": ["a"]}\n{"turns": ["b\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="alpaca.jsonl:2: not a JSON object"):
+        suite.load_benchmark("alpaca", tmp_path)
 
 
 def test_report_equals_the_statistics_of_generate(pair):
