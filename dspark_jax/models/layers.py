@@ -159,16 +159,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- attention
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+QUERY_CHUNK = 512  # queries per attention chunk of long inputs (prefill)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+           query_chunk: int = QUERY_CHUNK) -> jax.Array:
     """Grouped-query attention over an explicit mask.
 
     Args:
       q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K.
       mask: bool [B, T, S], True where query t may see key s.
+      query_chunk: when T is a larger multiple of it, queries are attended ``query_chunk`` at a
+        time (``lax.map``), so the scores take [B, H, query_chunk, S] instead of [B, H, T, S]
+        (a 4,096-token prefill of 10 prompts would otherwise need 29 GB). Each query's softmax
+        is its own, so the result is the same.
 
     Returns:
       [B, T, H, D]. A query with no visible key gets zeros (safe softmax), not NaN.
     """
+    b, t, h, d = q.shape
+    if t > query_chunk and t % query_chunk == 0:
+        n = t // query_chunk
+        chunks = (q.reshape(b, n, query_chunk, h, d).swapaxes(0, 1),
+                  mask.reshape(b, n, query_chunk, mask.shape[-1]).swapaxes(0, 1))
+        out = jax.lax.map(lambda c: _attend(c[0], k, v, c[1]), chunks)  # [n, B, chunk, H, D]
+        return out.swapaxes(0, 1).reshape(b, t, h, d)
+    return _attend(q, k, v, mask)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """:func:`attend` of all queries at once."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
