@@ -78,13 +78,16 @@ def cmd_eval(args) -> int:
     benches = [b.strip() for b in args.bench.split(",") if b.strip()]
     for bench in benches:
         suite.load_benchmark(bench, args.data_dir, 1)  # fail early on names and files
-    target = load_target(args.model, dtype=_dtype(args.dtype))
-    drafters = {label: load_drafter(path, target)
-                for label, path in zip(_drafter_labels(args), args.drafter)}
-    report = suite.evaluate(target, drafters, benches, args.output, data_dir=args.data_dir,
-                            limit=args.limit, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            batch_size=args.batch_size)
+    labels = _drafter_labels(args)
+    if args.report_only:
+        report = suite.write_report(args.output, labels, benches)
+    else:
+        target = load_target(args.model, dtype=_dtype(args.dtype))
+        drafters = {label: load_drafter(path, target) for label, path in zip(labels, args.drafter)}
+        report = suite.evaluate(target, drafters, benches, args.output, data_dir=args.data_dir,
+                                limit=args.limit, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens)
     print(suite.markdown_table(report))
     print(f"report: {Path(args.output) / 'report.json'}")
     return 0
@@ -289,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--top-p", type=float, default=1.0)
     ev.add_argument("--top-k", type=int, default=0)
     ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--max-batch-tokens", type=int,
+                    help="sort prompts by length and cap each batch at this many padded prompt "
+                    "tokens (for long-prompt sets; default: batches of --batch-size in order)")
+    ev.add_argument("--report-only", action="store_true",
+                    help="only rewrite report.json/.md from the finished results of --bench")
     ev.add_argument("--dtype", choices=DTYPES, default="auto")
     ev.set_defaults(func=cmd_eval)
 

@@ -26,7 +26,9 @@ from tqdm.auto import tqdm
 
 from dspark_jax.drafter import Drafter
 from dspark_jax.evaluation.trace import AcceptanceTrace
-from dspark_jax.generation import generate, stats_from_counters, sum_counters
+from dspark_jax.generation import (encode_prompts, generate, prompt_bucket, stats_from_counters,
+                                   sum_counters)
+from dspark_jax.jsonl import read_jsonl
 from dspark_jax.target import Target
 
 EVAL_SEED = 980406
@@ -65,18 +67,11 @@ def load_benchmark(name: str, data_dir: str | Path | None = None,
     if not path.is_file():
         raise ValueError(f"benchmark file {path} not found")
     prompts = []
-    # Lines end at "\n" only: str.splitlines would also cut at U+2028 and other separators
-    # that JSON strings may hold (arena-hard-v2 has them).
-    for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not a JSON object ({e})") from None
-            turns = record.get("turns")
-            if not turns or not isinstance(turns[0], str):
-                raise ValueError(f"{path}:{number}: expected a non-empty 'turns' list of strings")
-            prompts.append(turns[0])
+    for where, record in read_jsonl(path):
+        turns = record.get("turns")
+        if not turns or not isinstance(turns[0], str):
+            raise ValueError(f"{where}: expected a non-empty 'turns' list of strings")
+        prompts.append(turns[0])
     cap = BENCHMARKS[name][1]
     if len(prompts) > cap:
         random.Random(EVAL_SEED).shuffle(prompts)
@@ -84,33 +79,69 @@ def load_benchmark(name: str, data_dir: str | Path | None = None,
     return prompts[:limit] if limit is not None else prompts
 
 
+def plan_batches(lengths: Sequence[int], batch_size: int,
+                 max_batch_tokens: int | None = None) -> list[list[int]]:
+    """Groups prompt indices into decode batches.
+
+    Without a token budget: consecutive runs of ``batch_size`` prompts, in order. With one:
+    prompts sorted by length (stable) and packed greedily, at most ``batch_size`` rows and
+    rows x ``prompt_bucket(longest)`` padded prompt tokens <= ``max_batch_tokens`` per batch (a
+    prompt longer than the budget gets a batch of its own). A few long prompts then no longer
+    pad a whole batch to their length: the prefill cost follows the real tokens.
+
+    Returns:
+      The batches as lists of prompt indices, in decode order.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_batch_tokens is None:
+        return [list(range(s, min(s + batch_size, len(lengths))))
+                for s in range(0, len(lengths), batch_size)]
+    if max_batch_tokens < 1:
+        raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+    batches, current = [], []
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        width = prompt_bucket(lengths[index])  # the longest so far: sorted ascending
+        if current and (len(current) == batch_size
+                        or (len(current) + 1) * width > max_batch_tokens):
+            batches.append(current)
+            current = []
+        current.append(index)
+    return batches + [current] if current else batches
+
+
 def run_benchmark(target: Target, drafter: Drafter, prompts: Sequence[str], *,
                   max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                  top_k: int = 0, batch_size: int = 8, seed: int = EVAL_SEED,
-                  desc: str = "eval", progress: bool = True) -> tuple[dict, AcceptanceTrace]:
-    """Decodes ``prompts`` in batches with full-block verification.
+                  top_k: int = 0, batch_size: int = 8, max_batch_tokens: int | None = None,
+                  seed: int = EVAL_SEED, desc: str = "eval",
+                  progress: bool = True) -> tuple[dict, AcceptanceTrace]:
+    """Decodes ``prompts`` in batches (``plan_batches``) with full-block verification.
+
+    Batch ``b`` is seeded with ``seed`` + the number of prompts decoded before it.
 
     Returns:
       (statistics: ``generation.stats_from_counters`` of all requests plus num_prompts,
-      new_tokens, wall_s, tokens_per_s; the AcceptanceTrace of every round).
+      new_tokens, wall_s, tokens_per_s; the AcceptanceTrace of every round, request id =
+      index of the prompt in ``prompts``).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    encoded = encode_prompts(target, list(prompts))
     counters, logits, accepted, requests = [], [], [], []
-    new_tokens, wall = 0, 0.0
+    new_tokens, wall, done = 0, 0.0, 0
     bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
-    for start in range(0, len(prompts), batch_size):
-        batch = list(prompts[start:start + batch_size])
-        results = generate(target, batch, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p, top_k=top_k, seed=seed + start, drafter=drafter,
-                           verify="full", record=True)
+    for batch in plan_batches([len(ids) for ids in encoded], batch_size, max_batch_tokens):
+        results = generate(target, [encoded[i] for i in batch], max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + done,
+                           drafter=drafter, verify="full", record=True)
         wall += results[0].stats["wall_s"]
-        for index, result in enumerate(results, start):
+        for index, result in zip(batch, results):
             counters.append(result.stats["counters"])
             new_tokens += result.stats["new_tokens"]
             logits.append(result.trace["confidence_logits"])
             accepted.append(result.trace["num_accepted"])
             requests.append(np.full(len(result.trace["num_accepted"]), index))
+        done += len(batch)
         bar.update(len(batch))
     bar.close()
     stats = stats_from_counters(sum_counters(counters))
@@ -130,23 +161,23 @@ def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[
       drafters: {label: drafter}; the label names the output subfolder and the table row.
       benches: names from ``BENCHMARKS``.
       limit: first N prompts of each benchmark after the cap (None: all).
-      **decode: ``run_benchmark`` settings (max_new_tokens, temperature, batch_size, ...).
+      **decode: ``run_benchmark`` settings (max_new_tokens, temperature, batch_size,
+        max_batch_tokens, ...).
 
     Returns:
-      The report: {"settings", "results": {label: {bench: statistics}}}.
+      The report of ``write_report``.
     """
     output = Path(output_dir)
     settings = dict(decode, limit=limit)  # a finished benchmark with these is reused
-    results = {}
+    if settings.get("max_batch_tokens") is None:
+        settings.pop("max_batch_tokens", None)  # so results from before the option still match
     for label, drafter in drafters.items():
         folder = output / label
         folder.mkdir(parents=True, exist_ok=True)
-        results[label] = {}
         for bench in benches:
             path = folder / f"{bench}.json"
             done = json.loads(path.read_text()) if path.exists() else {}
             if done.get("settings") == settings:
-                results[label][bench] = done["stats"]
                 continue
             prompts = load_benchmark(bench, data_dir, limit)
             started = time.perf_counter()
@@ -157,8 +188,33 @@ def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(dict(settings=settings, stats=stats), indent=2))
             tmp.replace(path)
-            results[label][bench] = stats
-    report = dict(settings=dict(settings, benches=list(benches)), results=results)
+    return write_report(output, list(drafters), benches)
+
+
+def write_report(output_dir: str | Path, labels: Sequence[str], benches: Sequence[str]) -> dict:
+    """Collects the finished ``<label>/<bench>.json`` results into report.json / report.md.
+
+    Benchmarks may have been run by separate ``evaluate`` calls with different settings (e.g. a
+    token budget for the long-prompt sets); each run's settings are kept in the report.
+
+    Returns:
+      {"settings": {"benches", "runs": {label: {bench: settings}}},
+       "results": {label: {bench: statistics}}}.
+
+    Raises:
+      ValueError: a benchmark has no finished result.
+    """
+    output = Path(output_dir)
+    results, runs = {}, {}
+    for label in labels:
+        results[label], runs[label] = {}, {}
+        for bench in benches:
+            path = output / label / f"{bench}.json"
+            if not path.is_file():
+                raise ValueError(f"{path}: no finished result for {label!r} on {bench!r}")
+            done = json.loads(path.read_text())
+            results[label][bench], runs[label][bench] = done["stats"], done["settings"]
+    report = dict(settings=dict(benches=list(benches), runs=runs), results=results)
     (output / "report.json").write_text(json.dumps(report, indent=2))
     (output / "report.md").write_text(markdown_table(report))
     return report

@@ -35,6 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax.generation import chat_ids, generate
+from dspark_jax.jsonl import read_jsonl
 from dspark_jax.target import Target
 
 MANIFEST = "manifest.json"
@@ -46,17 +47,7 @@ def read_prompts(files: Sequence[str | os.PathLike]) -> list[str]:
 
     A record is ``{"turns": [first, ...]}`` (the first turn is used) or ``{"prompt": text}``.
     """
-    prompts = []
-    for file in files:
-        with open(file, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{file}:{line_no}: not a JSON object ({e})") from None
-                    prompts.append(_prompt_text(record, f"{file}:{line_no}"))
-    return prompts
+    return [_prompt_text(record, where) for file in files for where, record in read_jsonl(file)]
 
 
 def _prompt_text(record: dict, where: str) -> str:

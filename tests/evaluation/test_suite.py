@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import dspark_jax
+from dspark_jax import cli
 from dspark_jax.evaluation import AcceptanceTrace, suite
-from dspark_jax.generation import stats_from_counters, sum_counters
+from dspark_jax.generation import prompt_bucket, stats_from_counters, sum_counters
 from dspark_jax.target import init_target
 
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32,
@@ -48,19 +49,34 @@ def test_load_benchmark_caps_with_the_seeded_shuffle(tmp_path):
         suite.load_benchmark("alpaca", tmp_path)
 
 
-def test_report_equals_the_statistics_of_generate(pair):
+def test_plan_batches():
+    assert suite.plan_batches([5, 1, 9, 2, 7], 2) == [[0, 1], [2, 3], [4]]
+    width = prompt_bucket(1)  # every length below is within the smallest bucket ...
+    lengths = [3, 1, 2, 1, 4 * width + 1, 2]  # ... but one prompt needs 8 of them
+    assert suite.plan_batches(lengths, 3, max_batch_tokens=2 * width) == [
+        [1, 3], [2, 5], [0], [4]]  # sorted (stable); two rows fit the budget; too long: alone
+    assert suite.plan_batches(lengths, 4, max_batch_tokens=16 * width) == [[1, 3, 2, 5], [0, 4]]
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        suite.plan_batches(lengths, 0)
+    with pytest.raises(ValueError, match="max_batch_tokens must be >= 1"):
+        suite.plan_batches(lengths, 2, max_batch_tokens=0)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [None, 2 * prompt_bucket(1)])
+def test_report_equals_the_statistics_of_generate(pair, max_batch_tokens):
     target, drafter = pair
     temperature = 1.0  # sampled: the seeds per batch must match too
     stats, trace = suite.run_benchmark(target, drafter, PROMPTS, max_new_tokens=16,
                                        temperature=temperature, batch_size=2, seed=7,
-                                       progress=False)
-    counters, rounds = [], 0
-    for start in range(0, len(PROMPTS), 2):
-        for r in dspark_jax.generate(target, PROMPTS[start:start + 2], max_new_tokens=16,
-                                     temperature=temperature, seed=7 + start, drafter=drafter,
+                                       max_batch_tokens=max_batch_tokens, progress=False)
+    counters, rounds, done = [], 0, 0
+    for batch in suite.plan_batches([len(p) for p in PROMPTS], 2, max_batch_tokens):
+        for r in dspark_jax.generate(target, [PROMPTS[i] for i in batch], max_new_tokens=16,
+                                     temperature=temperature, seed=7 + done, drafter=drafter,
                                      record=True):  # run_benchmark's compiled programs
             counters.append(r.stats["counters"])
             rounds += r.stats["rounds"]
+        done += len(batch)
     direct = stats_from_counters(sum_counters(counters))
     for key in ("tau", "rounds", "accepted", "proposal_len", "verify_rate", "accept_rate_at_k",
                 "conditional_acceptance", "counters"):
@@ -70,7 +86,7 @@ def test_report_equals_the_statistics_of_generate(pair):
     assert int(trace.num_accepted.sum()) == stats["accepted"]
 
 
-def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch):
+def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch, capsys):
     target, drafter = pair
     data = tmp_path / "data"
     data.mkdir()
@@ -92,8 +108,21 @@ def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch)
 
     monkeypatch.setattr(suite, "run_benchmark", fail)
     again = suite.evaluate(target, {"dspark": drafter}, ["gsm8k"], tmp_path / "out",
-                           data_dir=data, limit=3, progress=False, **settings)
+                           data_dir=data, limit=3, progress=False, max_batch_tokens=None,
+                           **settings)  # no token budget is the setting results had before it
     assert again["results"]["dspark"]["gsm8k"] == report["results"]["dspark"]["gsm8k"]
+    collected = suite.write_report(tmp_path / "out", ["dspark", "other"], ["gsm8k", "mt-bench"])
+    assert collected["results"] == report["results"]
+    assert collected["settings"]["runs"]["other"]["mt-bench"] == dict(settings, limit=3)
+    with pytest.raises(ValueError, match="no finished result for 'dspark' on 'alpaca'"):
+        suite.write_report(tmp_path / "out", ["dspark"], ["alpaca"])
+    (tmp_path / "out" / "report.md").unlink()
+    args = ["eval", "--drafter", "unused", "--drafter", "unused", "--label", "dspark", "--label",
+            "other", "--output", str(tmp_path / "out"), "--report-only"]
+    assert cli.main(args + ["--bench", "gsm8k,mt-bench"]) == 0  # loads no model
+    assert (tmp_path / "out" / "report.md").read_text() == table
+    assert cli.main(args + ["--bench", "gsm8k,alpaca"]) == 2
+    assert "no finished result for 'dspark' on 'alpaca'" in capsys.readouterr().err
 
 
 def test_domain_means():

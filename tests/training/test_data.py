@@ -60,6 +60,9 @@ def test_read_prompts(tmp_path):
     path.write_text('{"prompt": "a"}\n{"prompt": \n')
     with pytest.raises(ValueError, match="p.jsonl:2: not a JSON object"):
         data.read_prompts([path])
+    path.write_text('{"prompt": "a"}\n["b"]\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not a JSON object \(got list\)"):
+        data.read_prompts([path])
 
 
 def test_build_sample_masks_answer_and_filters():
