@@ -19,6 +19,7 @@ from dspark_jax.decoding import autoregressive, speculative, verification
 from dspark_jax.target import Target
 
 MIN_PROMPT_BUCKET = 16
+LONG_PROMPT_STEP = 1024
 
 
 @dataclasses.dataclass
@@ -32,7 +33,11 @@ class GenerationResult:
 
 
 def prompt_bucket(length: int) -> int:
-    """Smallest power of two >= length (and >= MIN_PROMPT_BUCKET)."""
+    """Padded prompt width: the smallest power of two >= length (and >= MIN_PROMPT_BUCKET) up
+    to LONG_PROMPT_STEP, then the smallest multiple of LONG_PROMPT_STEP (a 4,100-token prompt
+    pads to 5,120, not 8,192; every width over 512 is a multiple of the attention query chunk)."""
+    if length > LONG_PROMPT_STEP:
+        return -(-length // LONG_PROMPT_STEP) * LONG_PROMPT_STEP
     return max(MIN_PROMPT_BUCKET, 1 << (max(length, 1) - 1).bit_length())
 
 

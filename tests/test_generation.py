@@ -95,9 +95,20 @@ def test_prompt_buckets_bound_compiles(target):
     assert generation.prompt_bucket(1) == 16
     assert generation.prompt_bucket(16) == 16
     assert generation.prompt_bucket(17) == 32
+    assert [generation.prompt_bucket(n) for n in (1024, 1025, 2049, 4100)] == [
+        1024, 2048, 3072, 5120]  # past 1024: multiples of 1024
     dspark_jax.generate(target, [[1] * 3], max_new_tokens=4)
     res = dspark_jax.generate(target, [[1] * 9], max_new_tokens=4)[0]
     assert res.stats["compile_s"] == 0.0  # same bucket (16), same program
+
+
+def test_long_prompt_in_a_multiple_of_1024_matches_the_reference():
+    """A 2,100-token prompt pads to 3,072 (not 4,096) and prefills in query chunks of 512."""
+    long = init_target(dict(TINY, max_position_embeddings=4096), seed=1)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(4, 48, 2100)]
+    assert generation.prompt_bucket(len(prompt)) == 3072
+    result = dspark_jax.generate(long, [prompt], max_new_tokens=4)[0]
+    assert result.token_ids == greedy_reference(long, prompt, 4)
 
 
 @pytest.mark.parametrize("prompts,match", [
