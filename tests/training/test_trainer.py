@@ -142,7 +142,6 @@ def test_resume_onto_another_mesh(setup, uninterrupted, tmp_path):
     """A checkpoint written on one device (step 7 of 8) resumes on a (1, 2, 4) mesh of 8
     simulated devices: step 8 gives the uninterrupted run's loss and parameters. A mesh whose
     data x fsdp shards do not divide the batch is refused with a clear error."""
-
     root, config = setup
     workdir = tmp_path / "remeshed"
     shutil.copytree(uninterrupted / "checkpoints", workdir / "checkpoints")
