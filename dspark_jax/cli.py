@@ -233,7 +233,8 @@ def cmd_serve_bench(args) -> int:
         concurrency=[int(c) for c in _csv(args.concurrency)], max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         buckets=[int(b) for b in _csv(args.buckets)] if args.buckets else None,
-        sps_repeats=args.sps_repeats, sps_warmup=args.sps_warmup, refresh_sps=args.refresh_sps)
+        repeats=args.repeats, sps_repeats=args.sps_repeats, sps_warmup=args.sps_warmup,
+        refresh_sps=args.refresh_sps)
     result["config"].update(model=args.model, drafter=args.drafter, datasets=datasets)
     paths = bench.write_report(result, args.output)
     print(bench.markdown_table(result))
@@ -398,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("serve-bench", help="continuous-batching throughput and verification "
                         "budget against concurrency, per policy (closed-loop eval prompts)")
     serving_args(sb)
-    sb.add_argument("--policies", default="prefix,fixed1,fixed-best,full",
+    sb.add_argument("--policies", default="prefix,production,fixed1,fixed-best,full",
                     help="comma-separated: full, prefix, production, fixed<G>, fixed-best, "
                     "threshold<T>")
     sb.add_argument("--concurrency", default="1,4,16,64", help="comma-separated user counts")
@@ -412,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--temperature", type=float, default=1.0)
     sb.add_argument("--top-p", type=float, default=1.0)
     sb.add_argument("--top-k", type=int, default=0)
+    sb.add_argument("--repeats", type=int, default=1,
+                    help="runs per policy and concurrency, round-robin; the median is reported")
     sb.add_argument("--sps-repeats", type=int, default=10)
     sb.add_argument("--sps-warmup", type=int, default=3)
     sb.add_argument("--refresh-sps", action="store_true")

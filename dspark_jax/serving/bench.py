@@ -1,7 +1,7 @@
 """serve-bench: throughput and verification budget against concurrency, per policy (paper Fig. 8).
 
 For each concurrency C an engine with C slots replays the same prompts closed-loop
-(``loadgen.closed_loop``) once per policy. Policy specs:
+(``loadgen.closed_loop``) ``repeats`` times per policy. Policy specs:
 
 * ``full``, ``prefix``, ``production``: the verification policies of the same name; the two
   schedulers read the engine's measured steps/s table (``Engine.profile_sps``, cached),
@@ -10,8 +10,9 @@ For each concurrency C an engine with C slots replays the same prompts closed-lo
 * ``threshold<T>`` (e.g. ``threshold0.5``): the reference's static truncation;
 * ``fixed-best``: every fixed G in 1..P, reporting the best aggregate throughput at each C.
 
-Reported per (policy, C): aggregate tokens/s, tokens/s per user, mean verification budget per
-request per step, tau, mean forward tokens per step.
+Reported per (policy, C): aggregate tokens/s (the median of ``repeats`` runs, with their range),
+tokens/s per user, mean verification budget per request per step, tau, mean forward tokens per
+step.
 """
 
 from __future__ import annotations
@@ -54,16 +55,26 @@ def parse_policy(spec: str, proposals: int) -> list[tuple[str, dict]]:
 def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: Sequence[str],
                 concurrency: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, buckets=None,
-                sps_repeats: int = 10, sps_warmup: int = 3, refresh_sps: bool = False,
-                progress: Callable[[str], None] = print) -> dict:
+                repeats: int = 1, sps_repeats: int = 10, sps_warmup: int = 3,
+                refresh_sps: bool = False, progress: Callable[[str], None] = print) -> dict:
     """Runs every policy at every concurrency on the same prompts.
+
+    Each distinct (policy, parameters) runs ``repeats`` times per concurrency, the repeats going
+    round-robin over the policies so that a drift of the machine spreads over all of them (a run
+    shared by two specs, e.g. ``fixed1`` and fixed-best's gamma 1, runs once). A row is the run
+    with the median aggregate tokens/s (the lower median for even repeats), and
+    ``tokens_per_s_runs`` lists every run's.
 
     Returns:
       {"config": ..., "rows": [one dict per (policy spec, C)], "sps": {C: profile JSON}}; a
-      fixed-best row carries the chosen ``gamma`` and the whole ``sweep``.
+      fixed-best row carries the chosen ``gamma`` and the whole ``sweep`` (medians).
     """
+    if repeats < 1:
+        raise ValueError(f"need repeats >= 1, got {repeats}")
     proposals = drafter.config.block_size - drafter.model.first_proposal_slot
     runs = {spec: parse_policy(spec, proposals) for spec in policies}
+    variants = list(dict.fromkeys((policy, tuple(sorted(params.items())))
+                                  for spec_runs in runs.values() for policy, params in spec_runs))
     max_prompt_len = max(len(p) for p in prompts)
     max_len = max_prompt_len + max_new_tokens
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -71,40 +82,58 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
     for users in concurrency:
         engine = Engine(target, drafter, slots=users, max_len=max_len, buckets=buckets, seed=seed)
         table = None
-        if any(spec in SPS_POLICIES for spec in policies):
+        if any(policy in SPS_POLICIES for policy, _ in variants):
             progress(f"C={users}: profiling steps/s over buckets {list(engine.buckets)}")
             profile = engine.profile_sps(repeats=sps_repeats, warmup=sps_warmup,
                                          refresh=refresh_sps, **sampling)
             profiles[users] = profile.to_json()
             table = profile.table().tolist()
-        for spec, variants in runs.items():
-            results = []
-            for policy, params in variants:
+        measured = {variant: [] for variant in variants}
+        for repeat in range(repeats):
+            for policy, frozen in variants:
+                params = dict(frozen)
                 if policy in SPS_POLICIES:
-                    params = dict(params, sps=table)
+                    params["sps"] = table
                 engine.set_policy(policy, params)
                 compile_s = engine.compile(max_prompt_len)
                 result = dataclasses.asdict(closed_loop(engine, prompts, concurrency=users,
                                                         max_new_tokens=max_new_tokens, **sampling))
-                result.update(policy=spec, compile_s=compile_s,
-                              gamma=params.get("gamma") if policy == "fixed" else None)
-                results.append(result)
-                progress(f"C={users} {spec} {policy} {params.get('gamma', '')}: "
+                result.update(compile_s=compile_s, gamma=params.get("gamma"))
+                measured[(policy, frozen)].append(result)
+                progress(f"C={users} run {repeat + 1}/{repeats} {policy} "
+                         f"{params.get('gamma', params.get('threshold', ''))}: "
                          f"{result['tokens_per_s']:.1f} tok/s, tau {result['tau']:.2f}, "
                          f"budget {result['mean_budget']:.2f}")
-            best = max(results, key=lambda r: r["tokens_per_s"])
+        for spec, spec_runs in runs.items():
+            results = [median_run(measured[(policy, tuple(sorted(params.items())))])
+                       for policy, params in spec_runs]
+            best = dict(max(results, key=lambda r: r["tokens_per_s"]), policy=spec)
             if spec == "fixed-best":
-                best = dict(best, sweep=[{k: r[k] for k in ("gamma", "tokens_per_s", "tau")}
-                                         for r in results])
+                best["sweep"] = [{k: r[k] for k in ("gamma", "tokens_per_s", "tau")}
+                                 for r in results]
             rows.append(best)
         del engine
     config = dict(policies=list(policies), concurrency=list(concurrency), prompts=len(prompts),
-                  max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, **sampling)
+                  max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, repeats=repeats,
+                  **sampling)
     return dict(config=config, rows=rows, sps=profiles)
+
+
+def median_run(results: Sequence[dict]) -> dict:
+    """The run with the (lower) median aggregate tokens/s, with every run's in
+    ``tokens_per_s_runs``."""
+    ordered = sorted(results, key=lambda r: r["tokens_per_s"])
+    return dict(ordered[(len(ordered) - 1) // 2],
+                tokens_per_s_runs=[r["tokens_per_s"] for r in results])
+
+
+def _spread(runs) -> str:
+    return f"{min(runs):.1f}-{max(runs):.1f}" if runs and len(runs) > 1 else "-"
 
 
 COLUMNS = (("policy", "policy", "{}"), ("C", "concurrency", "{}"),
            ("tokens/s", "tokens_per_s", "{:.1f}"),
+           ("runs (tokens/s)", "tokens_per_s_runs", _spread),
            ("tokens/s/user", "tokens_per_s_per_user", "{:.1f}"),
            ("budget/req/step", "mean_budget", "{:.2f}"), ("tau", "tau", "{:.2f}"),
            ("B/step", "mean_verified_tokens", "{:.1f}"), ("gamma", "gamma", "{}"))
@@ -114,8 +143,14 @@ def markdown_table(result: dict) -> str:
     lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |",
              "|" + "---|" * len(COLUMNS)]
     for row in result["rows"]:
-        lines.append("| " + " | ".join("-" if row[k] is None else fmt.format(row[k])
-                                       for _, k, fmt in COLUMNS) + " |")
+        cells = []
+        for _, key, fmt in COLUMNS:
+            value = row.get(key)
+            if callable(fmt):
+                cells.append(fmt(value))
+            else:
+                cells.append("-" if value is None else fmt.format(value))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import time
 from typing import Callable, Sequence
 
@@ -122,7 +123,9 @@ class Engine:
         self.buckets = token_buckets(slots, self.proposals, buckets)
         self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
         self._key, step_key = jax.random.split(jax.random.key(seed))
-        self._programs: dict = {}
+        self._programs: dict = {}  # key -> compiled program
+        self._lowered: dict = {}  # key -> lowered program not compiled yet
+        self._fingerprints: dict = {}  # key -> hash of the program's StableHLO
         self.compile_s = 0.0
         self.set_policy(policy, policy_params)
         cfg = target.config
@@ -177,23 +180,47 @@ class Engine:
 
     # -- programs ---------------------------------------------------------------------------
 
+    def _lower(self, fn, args, **static):
+        start = time.perf_counter()
+        jitted = jax.jit(fn, static_argnums=(0, 2), static_argnames=tuple(static),
+                         donate_argnums=(4, 5))
+        lowered = jitted.lower(*args, **static)
+        self.compile_s += time.perf_counter() - start
+        return lowered
+
     def _compiled(self, key, fn, args, **static):
         if key not in self._programs:
+            lowered = self._lowered.pop(key, None)
+            if lowered is None:
+                lowered = self._lower(fn, args, **static)
             start = time.perf_counter()
-            jitted = jax.jit(fn, static_argnums=(0, 2), static_argnames=tuple(static),
-                             donate_argnums=(4, 5))
-            self._programs[key] = jitted.lower(*args, **static).compile()
+            self._programs[key] = lowered.compile()
             self.compile_s += time.perf_counter() - start
         return self._programs[key]
+
+    def _fingerprint(self, key, fn, args, **static) -> str:
+        """16 hex digits of the sha256 of the program's StableHLO text: it changes whenever the
+        computation does (code, shapes, dtypes, shardings), and only then."""
+        if key not in self._fingerprints:
+            lowered = self._lower(fn, args, **static)
+            if key not in self._programs:
+                self._lowered[key] = lowered  # compiled from it later, not lowered twice
+            text = lowered.as_text()
+            self._fingerprints[key] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._fingerprints[key]
 
     def _models(self):
         return (self.target.graphdef, self.target.state, self.drafter.graphdef, self.drafter.state)
 
-    def _run_step(self, policy, policy_params, eos_ids) -> step_lib.StepOutput:
+    def _step_program(self, policy, policy_params, eos_ids):
+        """(program key, args, static args) of the decode step under ``policy``."""
         args = self._models() + (self._slots, self._caches, eos_ids, policy_params)
         key = ("step", policy, policy_params["sps"].shape[0])
-        program = self._compiled(key, step_lib.decode_step, args, buckets=self.buckets,
-                                 policy=policy)
+        return key, args, dict(buckets=self.buckets, policy=policy)
+
+    def _run_step(self, policy, policy_params, eos_ids) -> step_lib.StepOutput:
+        key, args, static = self._step_program(policy, policy_params, eos_ids)
+        program = self._compiled(key, step_lib.decode_step, args, **static)
         dynamic = (a for i, a in enumerate(args) if i not in (0, 2))
         self._slots, self._caches, out = program(*dynamic)
         return out
@@ -227,9 +254,8 @@ class Engine:
         """Compiles the current policy's step and the admissions of every prompt bucket up to
         ``max_prompt_len`` now (so that serving never stops to compile); returns seconds spent."""
         before = self.compile_s
-        args = self._models() + (self._slots, self._caches, self.eos_ids, self.policy_params)
-        self._compiled(("step", self.policy, self.policy_params["sps"].shape[0]),
-                       step_lib.decode_step, args, buckets=self.buckets, policy=self.policy)
+        key, args, static = self._step_program(self.policy, self.policy_params, self.eos_ids)
+        self._compiled(key, step_lib.decode_step, args, **static)
         lengths = {self._prompt_width(n): n for n in range(max_prompt_len, 0, -1)}
         for width, length in sorted(lengths.items()):
             request = Request(0, [0] * length, 1)
@@ -316,20 +342,31 @@ class Engine:
 
     # -- steps/s profile ----------------------------------------------------------------------
 
+    def _profiling_params(self, gamma: int) -> dict:
+        """Parameters of the profiling policy: ``gamma`` drafts spread over the active slots."""
+        return verification.default_params(spread_drafts, self.num_slots, self.proposals,
+                                           {"gamma": gamma}, self._temperatures)
+
     def sps_key(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:
         """What the cost of a step depends on: the cache key of its steps/s profile.
 
         Greedy steps skip the probability rows and the random draws, and truncated sampling
-        sorts the vocabulary, so the sampling mode is part of the key."""
+        sorts the vocabulary, so the sampling mode is part of the key. ``program`` hashes the
+        profiled step's StableHLO (:meth:`_fingerprint`), so a change to the step's code, or to
+        anything it is traced with, measures a new profile; ``jax`` covers the compiler."""
         cfg, dcfg = self.target.config, self.drafter.config
         model = self.target.name or (f"{cfg.model_type}-L{cfg.num_hidden_layers}-d{cfg.hidden_size}"
                                      f"-V{cfg.vocab_size}")
+        key, args, static = self._step_program(spread_drafts, self._profiling_params(0),
+                                               jnp.asarray([-1], jnp.int32))
+        program = self._fingerprint(key, step_lib.decode_step, args, **static)
         return dict(model=model, dtype=str(np.dtype(self.target.dtype)),
                     device_kind=jax.devices()[0].device_kind, buckets=list(self.buckets),
                     slots=self.num_slots, max_len=self.max_len,
                     sampling=sampling_mode(temperature, top_p, top_k),
                     drafter=dict(layers=dcfg.num_layers, block_size=dcfg.block_size,
-                                 head=dcfg.head, markov_rank=dcfg.markov_rank))
+                                 head=dcfg.head, markov_rank=dcfg.markov_rank),
+                    program=program, jax=jax.__version__)
 
     def profile_sps(self, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     repeats: int = 10, warmup: int = 3, refresh: bool = False,
@@ -338,7 +375,8 @@ class Engine:
         """Measures steps/s of this engine's decode step at every token bucket B (cached).
 
         Profile with the sampling parameters of the load the table will schedule: a greedy
-        step costs less than a sampled one.
+        step costs less than a sampled one. A cached profile is used only when its key
+        (:meth:`sps_key`, including the hash of the step program) is the current one.
 
         A step is timed whole (policy, flat verify forward of B tokens, rejection sampling,
         draft step of all S slots, host read of its output): min(B, S) slots are active and
@@ -360,9 +398,7 @@ class Engine:
                 active = np.arange(self.num_slots) < min(tokens, self.num_slots)
                 self._slots = self._slots.replace(**self._like_slots(
                     active=active, anchor_pos=start_pos, generated=np.ones_like(start_pos)))
-                params = verification.default_params(
-                    spread_drafts, self.num_slots, self.proposals,
-                    {"gamma": tokens - min(tokens, self.num_slots)}, self._temperatures)
+                params = self._profiling_params(tokens - min(tokens, self.num_slots))
                 start = time.perf_counter()
                 out = jax.device_get(self._run_step(spread_drafts, params, no_eos))
                 seconds = time.perf_counter() - start

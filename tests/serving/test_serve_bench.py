@@ -1,8 +1,10 @@
 """serve-bench on a tiny random target: steps/s profiling, closed-loop load, reports; the eval
 prompt loader and the profiling policy."""
 
+import functools
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import dspark_jax
 from dspark_jax.scheduling import sps
 from dspark_jax.serving import bench, loadgen
 from dspark_jax.serving import engine as engine_lib
+from dspark_jax.serving import step as step_lib
 from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
@@ -23,15 +26,30 @@ def test_serve_bench_smoke(tmp_path, monkeypatch):
     target = init_target(QWEN3, seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2, block_size=3)  # P = 3 proposals
     prompts = [[5, 9, 11, 7], [4, 8, 15, 16, 23], [17], [2, 2, 5, 6, 7, 8], [40, 1, 9]]
-    result = bench.serve_bench(target, drafter, prompts, policies=["prefix", "fixed-best"],
+    calls = []
+    timed = loadgen.closed_loop
+
+    def counted(engine, *args, **kwargs):
+        calls.append((engine.policy, int(engine.policy_params["gamma"])))
+        return timed(engine, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "closed_loop", counted)
+    result = bench.serve_bench(target, drafter, prompts, policies=["prefix", "fixed1", "fixed-best"],
                                concurrency=[2], max_new_tokens=6, temperature=1.0, buckets=(4,),
-                               sps_repeats=2, sps_warmup=1, progress=lambda _: None)
-    prefix, fixed = result["rows"]
-    assert prefix["policy"] == "prefix" and fixed["policy"] == "fixed-best"
+                               repeats=2, sps_repeats=2, sps_warmup=1, progress=lambda _: None)
+    # fixed1 and fixed-best's gamma 1 share their runs; the repeats go round-robin.
+    variants = [("prefix", 3), ("fixed", 1), ("fixed", 2), ("fixed", 3)]
+    assert calls == variants * 2
+    prefix, fixed1, fixed = result["rows"]
+    assert [r["policy"] for r in result["rows"]] == ["prefix", "fixed1", "fixed-best"]
     assert [r["gamma"] for r in fixed["sweep"]] == [1, 2, 3]
-    assert fixed["gamma"] in (1, 2, 3)
+    assert fixed["gamma"] in (1, 2, 3) and fixed1["gamma"] == 1
     assert fixed["tokens_per_s"] == max(r["tokens_per_s"] for r in fixed["sweep"])
+    assert fixed["sweep"][0]["tokens_per_s"] == fixed1["tokens_per_s"]
     for row in result["rows"]:
+        # The row is the lower-median run of the two.
+        assert len(row["tokens_per_s_runs"]) == 2
+        assert row["tokens_per_s"] == min(row["tokens_per_s_runs"])
         assert row["concurrency"] == 2 and row["requests"] == len(prompts)
         assert len(prompts) <= row["new_tokens"] <= 6 * len(prompts)
         assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_user"] > 0
@@ -45,8 +63,42 @@ def test_serve_bench_smoke(tmp_path, monkeypatch):
     paths = bench.write_report(result, tmp_path / "out")
     assert json.loads(paths["json"].read_text())["rows"][0]["policy"] == "prefix"
     table = paths["markdown"].read_text().splitlines()
-    assert table[0].startswith("| policy | C | tokens/s") and len(table) == 4
+    assert table[0].startswith("| policy | C | tokens/s | runs (tokens/s) |") and len(table) == 5
+    low, high = sorted(prefix["tokens_per_s_runs"])
+    assert f"| {low:.1f}-{high:.1f} |" in table[2]
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        bench.serve_bench(target, drafter, prompts, policies=["full"], concurrency=[1],
+                          max_new_tokens=2, repeats=0)
+
+
+def test_sps_cache_follows_the_step_program(tmp_path, monkeypatch):
+    """A cached profile is reused only while the profiled step program is the same: a change
+    to the step's code measures a new one (the stale-table trap of an upgrade)."""
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path))
+    target = init_target(QWEN3, seed=1)
+    drafter = dspark_jax.init_drafter(target, seed=2, block_size=3)
+
+    def profile():
+        engine = engine_lib.Engine(target, drafter, slots=1, max_len=16, buckets=(2,))
+        return engine.profile_sps(temperature=1.0, repeats=1, warmup=0)
+
+    first = profile()
+    assert len(first.key["program"]) == 16 and first.key["jax"] == jax.__version__
+    assert profile().created == first.created  # a new engine, the same program: cached
+    decode_step = step_lib.decode_step
+
+    @functools.wraps(decode_step)
+    def changed(*args, **kwargs):
+        slots, caches, out = decode_step(*args, **kwargs)
+        return slots, caches, out._replace(verified_tokens=out.verified_tokens * 1)
+
+    monkeypatch.setattr(step_lib, "decode_step", changed)
+    second = profile()
+    assert second.key["program"] != first.key["program"] and second.created > first.created
+    assert {k: v for k, v in second.key.items() if k != "program"} == \
+        {k: v for k, v in first.key.items() if k != "program"}
+    assert len(list((tmp_path / "sps").glob("*.json"))) == 2
 
 
 def test_policy_specs():
