@@ -73,8 +73,8 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
         raise ValueError(f"need repeats >= 1, got {repeats}")
     proposals = drafter.config.block_size - drafter.model.first_proposal_slot
     runs = {spec: parse_policy(spec, proposals) for spec in policies}
-    variants = list(dict.fromkeys((policy, tuple(sorted(params.items())))
-                                  for spec_runs in runs.values() for policy, params in spec_runs))
+    variants = list(dict.fromkeys(_variant(policy, params) for spec_runs in runs.values()
+                                  for policy, params in spec_runs))
     max_prompt_len = max(len(p) for p in prompts)
     max_len = max_prompt_len + max_new_tokens
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -105,7 +105,7 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
                          f"{result['tokens_per_s']:.1f} tok/s, tau {result['tau']:.2f}, "
                          f"budget {result['mean_budget']:.2f}")
         for spec, spec_runs in runs.items():
-            results = [median_run(measured[(policy, tuple(sorted(params.items())))])
+            results = [median_run(measured[_variant(policy, params)])
                        for policy, params in spec_runs]
             best = dict(max(results, key=lambda r: r["tokens_per_s"]), policy=spec)
             if spec == "fixed-best":
@@ -117,6 +117,11 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
                   max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, repeats=repeats,
                   **sampling)
     return dict(config=config, rows=rows, sps=profiles)
+
+
+def _variant(policy: str, params: dict) -> tuple:
+    """A hashable (policy, parameters) run: specs that share one run it once."""
+    return policy, tuple(sorted(params.items()))
 
 
 def median_run(results: Sequence[dict]) -> dict:
