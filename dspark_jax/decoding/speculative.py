@@ -155,13 +155,13 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                       params.temperature, params.top_p, params.top_k)
     d_cache, block = propose(d_cache, out.taps, positions, first, prompt_lens, k_draft)
     temps = policy_params["confidence_temperatures"]
-    conf = block_confidences(block, temps)
     tokens = jnp.zeros((batch, max_new_tokens + top), jnp.int32).at[:, 0].set(first)
     done = is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    # history: confidences of the blocks verified two rounds and one round ago (zeros at first).
     carry = dict(step=jnp.int32(0), t_cache=out.cache, d_cache=d_cache, block=block,
-                 history=jnp.stack([conf, conf]), anchor=first, anchor_pos=prompt_lens,
-                 tokens=tokens, count=jnp.ones((batch,), jnp.int32), done=done, key=key,
-                 stats=_zero_stats(batch, proposals))
+                 history=jnp.zeros((2, batch, proposals), jnp.float32), anchor=first,
+                 anchor_pos=prompt_lens, tokens=tokens, count=jnp.ones((batch,), jnp.int32),
+                 done=done, key=key, stats=_zero_stats(batch, proposals))
     if record:
         rounds = jnp.zeros((max_new_tokens, batch), jnp.int32)
         carry["trace"] = SpecTrace(jnp.zeros((max_new_tokens, batch, proposals), jnp.float32),
@@ -232,7 +232,7 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         d_cache, new_block = propose(c["d_cache"], new_taps, ctx_positions, new_anchor, new_pos,
                                      k_draft)
         out = dict(step=c["step"] + 1, t_cache=t_cache, d_cache=d_cache, block=new_block,
-                   history=jnp.stack([c["history"][1], block_confidences(new_block, temps)]),
+                   history=jnp.stack([c["history"][1], conf]),
                    anchor=new_anchor, anchor_pos=new_pos, tokens=tokens, count=new_count,
                    done=done, key=key, stats=stats)
         if record:

@@ -4,8 +4,10 @@ One interface for every policy: ``lengths = policy_lengths(policy, confidences, 
 params)``, all inside the jitted decode loop. ``confidences`` are the per-step confidence
 probabilities c_k = sigmoid(z_k) of the current block (1 when the drafter has no confidence
 head); c_k is computed before x_k is sampled from x_{k-1} and h_k, so cutting at k uses only
-information available before the tokens it cuts. ``lagged`` are the confidences of two rounds
-earlier (the production scheduler's capacity search).
+information available before the tokens it cuts. ``lagged`` are the confidences of the block
+that was verified two rounds earlier (the production scheduler's capacity search), and zeros in
+a request's first two rounds: a request adds nothing of its current block to the capacity, whose
+search would otherwise see c_{k+1}, which depends on the drafted x_k (paper Appendix A).
 
 Policies (``policy`` is static, ``params`` are traced arrays):
 
@@ -64,7 +66,8 @@ def policy_lengths(policy: str | Callable, confidences, lagged, active, params: 
     """Draft tokens each row verifies: int32 [b] in 0..P (0 for inactive rows).
 
     Args:
-      confidences, lagged: float [b, P] per-step confidence probabilities (now / two rounds ago).
+      confidences, lagged: float [b, P] per-step confidence probabilities of the current block /
+        of the block verified two rounds earlier (0 in a request's first two rounds).
       active: bool [b] rows still generating.
       params: from :func:`default_params`.
     """

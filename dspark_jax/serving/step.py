@@ -57,7 +57,8 @@ class Slots:
     block_tokens: jax.Array  # int32 [S, P] drafted proposal
     block_probs: jax.Array  # float32 [S, P, V] the rows the proposals were drawn from
     confidence: jax.Array  # float32 [S, P] per-step confidences c_k of the block
-    history: jax.Array  # float32 [2, S, P] confidences of the two previous blocks
+    history: jax.Array  # float32 [2, S, P] confidences of the blocks verified two steps and one
+    #                     step ago (0 before the request had them: it adds nothing to the capacity)
     sampling: SamplingParams  # per-slot temperature / top_p / top_k, each [S]
     key: jax.Array  # PRNG key of the decode steps
 
@@ -185,7 +186,7 @@ def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State, drafter_graphd
         max_new=slots.max_new.at[slot].set(request.max_new),
         block_tokens=slots.block_tokens.at[slot].set(block.tokens[0]),
         block_probs=slots.block_probs.at[slot].set(block.probs[0]),
-        confidence=slots.confidence.at[slot].set(conf), history=slots.history.at[:, slot].set(conf),
+        confidence=slots.confidence.at[slot].set(conf), history=slots.history.at[:, slot].set(0.0),
         sampling=SamplingParams(s.temperature.at[slot].set(request.temperature),
                                 s.top_p.at[slot].set(request.top_p),
                                 s.top_k.at[slot].set(request.top_k)))
@@ -276,9 +277,10 @@ def decode_step(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                             anchor_tokens=new_anchor, anchor_positions=new_pos)
     block = _sample_block(drafter, target, drafted.hidden, new_anchor, k_draft, sampling)
     conf = block_confidences(block, policy_params["confidence_temperatures"])
+    history = jnp.stack([slots.history[1], slots.confidence])  # verified now; lagged in 2 steps
     slots = slots.replace(active=active & ~em.finished, anchor=new_anchor, anchor_pos=new_pos,
                           generated=generated, block_tokens=block.tokens, block_probs=block.probs,
-                          confidence=conf, history=jnp.stack([slots.history[1], conf]), key=key)
+                          confidence=conf, history=history, key=key)
     out = StepOutput(em.tokens, em.count, em.finished, jnp.where(active, accepted, 0), num_draft,
                      em.tau, total, bucket)
     return *laid_out(slots, Caches(t_cache, drafted.cache)), out

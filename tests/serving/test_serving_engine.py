@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import dspark_jax
+import law
 from dspark_jax.serving import Engine, token_buckets
 from dspark_jax.serving import step as step_lib
 from dspark_jax.target import init_target
@@ -108,6 +109,28 @@ def test_compiles_once_per_policy_and_prompt_bucket(engine, traced_widths):
     assert engine.num_compiled == len(steps) + len(admits)
     assert engine.buckets == (4, 12, 24)
     assert sorted(traced_widths) == sorted(list(engine.buckets) * len(steps))
+
+
+def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
+    """A callable policy's ``lagged`` holds, per slot, the confidences of the block it verified
+    two steps earlier, and zeros in a request's first two steps (here a request joins while
+    another is running)."""
+    target, drafter = law.law_models()  # no EOS: requests run to their limits
+    engine = Engine(target, drafter, slots=2, max_len=32, policy=law.recording_policy)
+    law.POLICY_CALLS.clear()
+    engine.submit(law.PROMPT, max_new_tokens=12, temperature=1.0)
+    engine.step()
+    engine.step()
+    engine.submit(law.PROMPT, max_new_tokens=8, temperature=1.0)
+    engine.run()
+    conf, lagged, active = (np.stack(x) for x in zip(*law.POLICY_CALLS))  # [steps, S, ...]
+    assert active[:2].tolist() == [[True, False]] * 2 and active[2].all()
+    for slot in range(2):
+        age = np.cumsum(active[:, slot]) - 1  # steps the slot's request has run before
+        for t in np.flatnonzero(active[:, slot]):
+            want = conf[t - 2, slot] if age[t] >= 2 else np.zeros_like(conf[t, slot])
+            np.testing.assert_allclose(lagged[t, slot], want, rtol=1e-6, err_msg=f"{slot} {t}")
+    assert (age >= 2).sum() >= 2  # the second request reached its third step
 
 
 def test_token_buckets():
