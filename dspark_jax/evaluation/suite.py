@@ -6,21 +6,25 @@ than its cap is shuffled with seed 980406 and cut; DSPARK_SPEC.md section 7), th
 limited to its first ``limit`` prompts. Every drafter decodes the same prompts with full-block
 verification, recording the per-round trace for the confidence metrics.
 
-Output folder layout (resumable: a finished benchmark is never run again)::
+Output folder layout (resumable: a finished benchmark is not run again while its settings and
+the sha256 of the drafter's and the target's parameters match; ``evaluate``)::
 
-    <output>/<label>/<bench>.json     statistics of one drafter on one benchmark
+    <output>/<label>/<bench>.json     statistics of one drafter on one benchmark, and the
+                                      settings (decoding, limit, model identities) they came from
     <output>/<label>/<bench>.npz      its AcceptanceTrace (request ids = prompt index)
     <output>/report.json, report.md   every drafter side by side (paper Table 1 layout)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -39,6 +43,8 @@ BENCHMARKS = {
     "mt-bench": ("chat", 80), "alpaca": ("chat", 500), "arena-hard-v2": ("chat", 500),
 }
 DOMAINS = ("math", "code", "chat")
+# The recorded settings that name the models a result came from ({role}_sha256 of params_sha256).
+IDENTITY_KEYS = {"drafter": "drafter_sha256", "target": "target_sha256"}
 
 
 def default_data_dir() -> Path | None:
@@ -110,6 +116,38 @@ def plan_batches(lengths: Sequence[int], batch_size: int,
     return batches + [current] if current else batches
 
 
+def params_sha256(state) -> str:
+    """The sha256 (hex) of a model's parameters: every leaf's name, dtype, shape and bytes.
+
+    Leaves are taken in the order of their sorted names (``jax.tree_util.keystr`` of their path
+    in ``state``), one at a time on the host, so the digest is deterministic and the host holds
+    one leaf at a time. Equal digests mean the same parameters in the same dtype.
+    """
+    leaves = {jax.tree_util.keystr(path): leaf
+              for path, leaf in jax.tree_util.tree_leaves_with_path(state)}
+    digest = hashlib.sha256()
+    for name in sorted(leaves):
+        value = np.asarray(jax.device_get(leaves[name]))
+        digest.update(f"{name}|{value.dtype}|{value.shape}\n".encode())
+        digest.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+    return digest.hexdigest()
+
+
+def changed_models(recorded: Mapping, identity: Mapping[str, str]) -> str | None:
+    """Why a result's recorded settings are not those of the models of ``identity`` (None: same).
+
+    Args:
+      recorded: the settings of a finished ``<bench>.json``.
+      identity: {``IDENTITY_KEYS`` value: ``params_sha256``} of the current drafter and target.
+    """
+    if not any(key in recorded for key in IDENTITY_KEYS.values()):
+        return "it records no drafter/target identity (written before results were keyed by it)"
+    changed = [f"the {role} changed (parameters sha256 {str(recorded.get(key))[:12]} -> "
+               f"{identity[key][:12]})" for role, key in IDENTITY_KEYS.items()
+               if recorded.get(key) != identity[key]]
+    return " and ".join(changed) or None
+
+
 def run_benchmark(target: Target, drafter: Drafter, prompts: Sequence[str], *,
                   max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, batch_size: int = 8, max_batch_tokens: int | None = None,
@@ -157,6 +195,13 @@ def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[
              limit: int | None = None, progress: bool = True, **decode) -> dict:
     """Runs every drafter on every benchmark (resumable) and writes the side-by-side report.
 
+    A finished ``<label>/<bench>.json`` is reused when its recorded settings equal this call's:
+    the decode settings, ``limit`` and the ``params_sha256`` of the drafter and of the target
+    (computed once per model). Otherwise the benchmark runs again and overwrites it; when the
+    drafter or the target is not the one that produced it (or the file predates the identities),
+    a message naming the label, the benchmark and the model that changed is printed first. A
+    retrained drafter under an old label is therefore never reported with the old numbers.
+
     Args:
       drafters: {label: drafter}; the label names the output subfolder and the table row.
       benches: names from ``BENCHMARKS``.
@@ -168,17 +213,26 @@ def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[
       The report of ``write_report``.
     """
     output = Path(output_dir)
-    settings = dict(decode, limit=limit)  # a finished benchmark with these is reused
-    if settings.get("max_batch_tokens") is None:
-        settings.pop("max_batch_tokens", None)  # so results from before the option still match
+    decode_settings = dict(decode, limit=limit)
+    if decode_settings.get("max_batch_tokens") is None:
+        decode_settings.pop("max_batch_tokens", None)  # results from before the option match
+    target_sha256 = params_sha256(target.state)
     for label, drafter in drafters.items():
         folder = output / label
         folder.mkdir(parents=True, exist_ok=True)
+        identity = {IDENTITY_KEYS["drafter"]: params_sha256(drafter.state),
+                    IDENTITY_KEYS["target"]: target_sha256}
+        settings = dict(decode_settings, **identity)  # a finished benchmark with these is reused
         for bench in benches:
             path = folder / f"{bench}.json"
-            done = json.loads(path.read_text()) if path.exists() else {}
-            if done.get("settings") == settings:
-                continue
+            if path.exists():
+                recorded = json.loads(path.read_text())["settings"]
+                if recorded == settings:
+                    continue
+                reason = changed_models(recorded, identity)
+                if reason is not None:
+                    print(f"eval {label!r} on {bench!r}: not reusing {path}: {reason}; "
+                          "running it again (the result is overwritten)", flush=True)
             prompts = load_benchmark(bench, data_dir, limit)
             started = time.perf_counter()
             stats, trace = run_benchmark(target, drafter, prompts, desc=f"{label} {bench}",

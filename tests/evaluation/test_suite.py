@@ -8,6 +8,7 @@ import pytest
 
 import dspark_jax
 from dspark_jax import cli
+from dspark_jax.drafter import Drafter
 from dspark_jax.evaluation import AcceptanceTrace, suite
 from dspark_jax.generation import prompt_bucket, stats_from_counters, sum_counters
 from dspark_jax.target import init_target
@@ -113,7 +114,10 @@ def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch,
     assert again["results"]["dspark"]["gsm8k"] == report["results"]["dspark"]["gsm8k"]
     collected = suite.write_report(tmp_path / "out", ["dspark", "other"], ["gsm8k", "mt-bench"])
     assert collected["results"] == report["results"]
-    assert collected["settings"]["runs"]["other"]["mt-bench"] == dict(settings, limit=3)
+    identity = dict(drafter_sha256=suite.params_sha256(drafter.state),
+                    target_sha256=suite.params_sha256(target.state))
+    assert collected["settings"]["runs"]["other"]["mt-bench"] == dict(settings, limit=3,
+                                                                      **identity)
     with pytest.raises(ValueError, match="no finished result for 'dspark' on 'alpaca'"):
         suite.write_report(tmp_path / "out", ["dspark"], ["alpaca"])
     (tmp_path / "out" / "report.md").unlink()
@@ -123,6 +127,67 @@ def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch,
     assert (tmp_path / "out" / "report.md").read_text() == table
     assert cli.main(args + ["--bench", "gsm8k,alpaca"]) == 2
     assert "no finished result for 'dspark' on 'alpaca'" in capsys.readouterr().err
+
+
+def test_params_sha256_names_every_leaf(pair):
+    target, drafter = pair
+    digest = suite.params_sha256(drafter.state)
+    assert digest == suite.params_sha256(drafter.state) != suite.params_sha256(target.state)
+    tree = dict(a=np.ones((2, 3), np.float32), b=np.float32(2))
+    assert suite.params_sha256(tree) == suite.params_sha256(dict(b=tree["b"], a=tree["a"]))
+    for changed in (dict(tree, a=tree["a"].reshape(3, 2)), dict(a=tree["a"], c=tree["b"]),
+                    dict(tree, a=tree["a"].astype(np.float16)), dict(tree, b=np.float32(3))):
+        assert suite.params_sha256(changed) != suite.params_sha256(tree)
+
+
+def test_resume_redoes_results_of_another_drafter_or_target(pair, tmp_path, monkeypatch,
+                                                            capsys):
+    """A finished result is reused only for the same drafter and target parameters; results of
+    another drafter, another target or older code (no identity recorded) are recomputed."""
+    target, drafter = pair
+    monkeypatch.setattr(suite, "load_benchmark", lambda name, data_dir, limit: PROMPTS[:limit])
+    runs = []
+    real_run = suite.run_benchmark
+
+    def counted(target, drafter, prompts, **kwargs):
+        runs.append(suite.params_sha256(drafter.state))
+        return real_run(target, drafter, prompts, **kwargs)
+
+    monkeypatch.setattr(suite, "run_benchmark", counted)
+    out = tmp_path / "out"
+
+    def run(target, drafter):
+        capsys.readouterr()
+        report = suite.evaluate(target, {"dspark": drafter}, ["gsm8k"], out, limit=2,
+                                progress=False, max_new_tokens=4, batch_size=2)
+        return report["results"]["dspark"]["gsm8k"], capsys.readouterr().out
+
+    first, _ = run(target, drafter)
+    retrained = dspark_jax.init_drafter(target, seed=3)  # same label, other parameters
+    redone, message = run(target, retrained)
+    assert runs == [suite.params_sha256(drafter.state), suite.params_sha256(retrained.state)]
+    assert "'dspark' on 'gsm8k'" in message and "the drafter changed" in message
+    assert "target changed" not in message and redone != first
+    recorded = json.loads((out / "dspark" / "gsm8k.json").read_text())["settings"]
+    assert recorded["drafter_sha256"] == suite.params_sha256(retrained.state)
+
+    again, message = run(target, retrained)  # the same drafter: reused, nothing printed
+    assert len(runs) == 2 and again == redone and message == ""
+
+    other_target = init_target(CONFIG, seed=4)
+    rebound = Drafter(retrained.config, retrained.model_config, retrained.state,
+                      retrained.graphdef, other_target)
+    _, message = run(other_target, rebound)
+    assert len(runs) == 3 and "the target changed" in message and "drafter changed" not in message
+
+    path = out / "dspark" / "gsm8k.json"
+    done = json.loads(path.read_text())
+    for key in ("drafter_sha256", "target_sha256"):
+        del done["settings"][key]  # a result written before results were keyed by the models
+    path.write_text(json.dumps(done))
+    _, message = run(other_target, rebound)
+    assert len(runs) == 4 and "'dspark' on 'gsm8k'" in message
+    assert "records no drafter/target identity" in message
 
 
 def test_domain_means():
