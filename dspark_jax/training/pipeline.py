@@ -29,7 +29,8 @@ and, with a feature cache, packed exactly like input_ids (0 on padding), in the 
 
 The packer's state is only the stream position of the next unplaced sequence: a row closes when
 a sequence does not fit, and that sequence starts the next row, so every batch is a pure
-function of the position where it starts.
+function of the position where it starts. ``batches_per_epoch`` counts the batches of one pass
+over the data by running the packing alone (the trainer's steps per epoch).
 """
 
 from __future__ import annotations
@@ -241,21 +242,36 @@ class PackedBatches:
                     raise ValueError("no record of this host has an anchor candidate")
         return self._peeked[1]
 
-    def _next_row(self) -> dict:
+    def _row_sequences(self) -> list[dict]:
+        """The sequences of the next row (greedy, in order); moves the cursor past them."""
         sequences, length, anchors = [], 0, 0
         while True:
             seq = self._peek()
             if sequences and (length + len(seq["input_ids"]) > self._pack_length
                               or anchors + len(seq["anchors"]) > self._anchors_per_row):
-                return pack_row(sequences, self._pack_length, self._anchors_per_row)
+                return sequences
             sequences.append(seq)
             length += len(seq["input_ids"])
             anchors += len(seq["anchors"])
             self._cursor += 1
 
     def __next__(self) -> dict:
-        rows = [self._next_row() for _ in range(self._batch_size)]
+        rows = [pack_row(self._row_sequences(), self._pack_length, self._anchors_per_row)
+                for _ in range(self._batch_size)]
         return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+
+    def skip_epoch(self) -> int:
+        """Moves past the rest of the current epoch without building rows; returns the number of
+        batches ``next`` would have yielded meanwhile: those holding at least one sequence of the
+        epoch (the last one may start the next epoch)."""
+        epoch, batches = self.epoch, 0
+        while True:
+            self._peek()  # past skipped records: the cursor is at the next sequence to place
+            if self.epoch != epoch:
+                return batches
+            for _ in range(self._batch_size):
+                self._row_sequences()
+            batches += 1
 
 
 def make_pipeline(data_dir: str | os.PathLike | Sequence[str | os.PathLike], *, batch_size: int, pack_length: int,
@@ -287,3 +303,15 @@ def make_pipeline(data_dir: str | os.PathLike | Sequence[str | os.PathLike], *, 
         block_size=block_size)
     return PackedBatches(dataset, records_per_epoch=per_epoch, batch_size=batch_size,
                          pack_length=pack_length, anchors_per_row=anchors_per_row)
+
+
+def batches_per_epoch(data_dir: str | os.PathLike | Sequence[str | os.PathLike],
+                      **settings) -> int:
+    """The number of batches ``make_pipeline(data_dir, **settings)`` yields for one pass over
+    this host's records (``PackedBatches.skip_epoch`` from the start).
+
+    The packing runs over the data once without building rows. It depends only on the
+    sequences' lengths and anchors, not on cached features: the count holds for the pipeline
+    with a ``feature_dir`` too, so leave it out of ``settings`` (the caches are then not read).
+    """
+    return make_pipeline(data_dir, **settings).skip_epoch()

@@ -17,12 +17,13 @@ the trained drafter is exported in the DeepSpec layout to ``workdir/drafter``.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
@@ -30,9 +31,8 @@ from dspark_jax import sharding
 from dspark_jax.drafter import Drafter, init_drafter
 from dspark_jax.target import load_target
 from dspark_jax.training import step as train_step
-from dspark_jax.training.data import load_manifest
 from dspark_jax.training.features import cache_key
-from dspark_jax.training.pipeline import make_pipeline
+from dspark_jax.training.pipeline import batches_per_epoch, make_pipeline
 
 
 def compute_dtype():
@@ -55,17 +55,40 @@ def _feature_dirs(train_cfg) -> list[str] | None:
     return dirs or None
 
 
-def total_steps(train_cfg) -> int:
-    """max_steps, or epochs * ceil(samples / global_batch_size) when it is 0."""
+def _packing(train_cfg, drafter_config) -> dict:
+    """This host's ``make_pipeline`` settings, without the data and feature folders."""
+    hosts = jax.process_count()
+    return dict(batch_size=train_cfg.global_batch_size // hosts,
+                pack_length=train_cfg.pack_length, anchors_per_row=train_cfg.anchors_per_row,
+                anchors_per_sequence=drafter_config.num_anchors,
+                block_size=drafter_config.block_size, seed=train_cfg.seed,
+                shard_index=jax.process_index(), shard_count=hosts)
+
+
+def _max_over_hosts(value: int) -> int:
+    """The largest of every host's ``value`` (a collective: all hosts call it)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.int64(value))))
+
+
+def total_steps(train_cfg, drafter_config) -> int:
+    """max_steps when it is > 0, else epochs x the global batches of one pass over the data.
+
+    A pass is what the packing pipeline yields for the data (``pipeline.batches_per_epoch``,
+    rows holding several samples): one batch per host makes a global batch, and a host with
+    more batches than the others sets the count, so every host sees all its records. The count
+    is that of the first pass: later epochs reshuffle and resample anchors, so theirs can differ
+    a little.
+
+    Args:
+      train_cfg: the ``.train`` settings (data_dir, global_batch_size, pack_length, ...).
+      drafter_config: the drafter's config (num_anchors, block_size).
+    """
     if train_cfg.max_steps > 0:
         return int(train_cfg.max_steps)
-    samples = 0
-    for folder in _data_dirs(train_cfg):
-        manifest = load_manifest(folder)
-        if manifest is None:
-            raise ValueError(f"no manifest.json in {folder}: run `dspark-jax prepare-data` first")
-        samples += manifest["num_samples"]
-    return int(train_cfg.epochs * math.ceil(samples / train_cfg.global_batch_size))
+    per_epoch = batches_per_epoch(_data_dirs(train_cfg), **_packing(train_cfg, drafter_config))
+    return int(train_cfg.epochs * _max_over_hosts(per_epoch))
 
 
 def _global_batch(batch: dict, mesh) -> dict:
@@ -124,7 +147,6 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     with jax.set_mesh(mesh):
         target = load_target(config.target, dtype=dtype)
         drafter = init_drafter(target, config, seed=tcfg.seed)
-    steps = total_steps(tcfg)
     hosts = jax.process_count()
     if tcfg.global_batch_size % hosts:
         raise ValueError(f"global_batch_size {tcfg.global_batch_size} does not split over {hosts} hosts")
@@ -132,11 +154,8 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     if tcfg.global_batch_size % row_shards:
         raise ValueError(f"global_batch_size {tcfg.global_batch_size} does not split over the "
                          f"{row_shards} row shards (data x fsdp) of mesh_shape {tuple(mesh.shape.values())}")
-    data = make_pipeline(_data_dirs(tcfg), batch_size=tcfg.global_batch_size // hosts,
-                         pack_length=tcfg.pack_length, anchors_per_row=tcfg.anchors_per_row,
-                         anchors_per_sequence=drafter.config.num_anchors,
-                         block_size=drafter.config.block_size, seed=tcfg.seed,
-                         shard_index=jax.process_index(), shard_count=hosts,
+    steps = total_steps(tcfg, drafter.config)
+    data = make_pipeline(_data_dirs(tcfg), **_packing(tcfg, drafter.config),
                          feature_dir=_feature_dirs(tcfg),
                          feature_key=cache_key(target, drafter.config.target_layer_ids))
     optimizer = train_step.make_optimizer(tcfg, steps)

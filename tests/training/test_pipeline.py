@@ -204,3 +204,27 @@ def test_host_shards_partition_the_data(records, data_dir):
     assert per_host[0].isdisjoint(per_host[1]) and per_host[0] | per_host[1] == expected
     with pytest.raises(ValueError):
         make(data_dir, shard_index=2, shard_count=2)
+
+
+@pytest.mark.parametrize("shard_index, shard_count", [(0, 1), (0, 2), (1, 2)])
+def test_batches_per_epoch_counts_the_batches_of_one_pass(records, data_dir, shard_index,
+                                                          shard_count):
+    """The batches holding a sequence of epoch 0 (records 3, 9 and 17 are skipped), per host."""
+    host = dict(shard_index=shard_index, shard_count=shard_count)
+    first_epoch = len(set(range(shard_index, NUM_RECORDS, shard_count))
+                      & candidate_records(records, CFG["pack_length"]))
+    it, placed, batches = make(data_dir, **host), 0, 0
+    while placed < first_epoch:
+        placed += len(segments(next(it)))
+        batches += 1
+    count = pipeline.batches_per_epoch(data_dir, **{**CFG, "seed": 3, **host})
+    assert count == batches
+    samples = len(range(shard_index, NUM_RECORDS, shard_count))
+    assert count < -(-samples // CFG["batch_size"]), "rows pack several sequences"
+    skipped, iterated = make(data_dir, **host), make(data_dir, **host)
+    assert skipped.skip_epoch() == count and skipped.epoch == 1
+    for _ in range(count):
+        next(iterated)
+    expected, got = next(iterated), next(skipped)  # skipping leaves the stream as iterating does
+    for key in pipeline.BATCH_KEYS:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)

@@ -182,6 +182,31 @@ def test_two_processes_run_the_same_steps(setup):
     assert sorted(steps) == [1, 2, 3] and all(np.isfinite(v) for v in steps.values())
 
 
+def test_epochs_count_the_packed_batches(setup):
+    """Without max_steps, an epoch is the batches the packing pipeline yields for one pass over
+    the 24 samples (rows of 96 tokens pack several), not ceil(24 / global_batch_size)."""
+    from dspark_jax.experiment import load_config
+    from dspark_jax.training.pipeline import make_pipeline
+    from dspark_jax.training.trainer import total_steps
+
+    root, config_path = setup
+    config = load_config(config_path)
+    tcfg, dcfg = config.train, config.drafter
+    data = make_pipeline(list(tcfg.data_dir), batch_size=tcfg.global_batch_size,
+                         pack_length=tcfg.pack_length, anchors_per_row=tcfg.anchors_per_row,
+                         anchors_per_sequence=dcfg.num_anchors, block_size=dcfg.block_size,
+                         seed=tcfg.seed)
+    yielded = 0
+    while data.epoch == 0:  # every sample of this data has anchor candidates
+        next(data)
+        yielded += 1
+    assert total_steps(tcfg, dcfg) == tcfg.max_steps == 8  # max_steps > 0 decides
+    tcfg.max_steps, tcfg.epochs = 0, 1
+    assert total_steps(tcfg, dcfg) == yielded < 24 // tcfg.global_batch_size
+    tcfg.epochs = 2
+    assert total_steps(tcfg, dcfg) == 2 * yielded
+
+
 def test_heldout_metrics_of_the_trained_drafter(setup, uninterrupted):
     from dspark_jax.experiment import load_config
     from dspark_jax.training.heldout import heldout_metrics
