@@ -1,7 +1,12 @@
-"""DSpark drafter for Qwen3-14B (40 layers): taps 1, 10, 19, 28, 37, DSPARK_SPEC.md section 2."""
+"""DSpark drafter for Qwen3-14B (40 layers): taps 1, 10, 19, 28, 37, DSPARK_SPEC.md section 2.
+
+Target: a local copy of Qwen/Qwen3-14B, required: ``--target=DIR`` (a Hugging Face folder,
+e.g. from ``huggingface-cli download Qwen/Qwen3-14B --local-dir DIR``, a .gguf file or an
+Orbax folder), with the training data ``--train.data_dir="('DATA',)"``.
+"""
 
 from dspark_jax import presets
 
 
 def get_config():
-    return presets.qwen3_dspark("Qwen/Qwen3-14B", target_layer_ids=(1, 10, 19, 28, 37))
+    return presets.qwen3_dspark(target_layer_ids=(1, 10, 19, 28, 37))

@@ -11,9 +11,24 @@ Public API:
   Drafter.calibrate(temperatures, fit=None)
 """
 
-from dspark_jax.generation import GenerationResult, generate
-from dspark_jax.target import Target, load_target
-from dspark_jax.drafter import Drafter, init_drafter, load_drafter
+import logging
+
+
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' import-time notice "PyTorch was not found. ...": dspark-jax uses
+    only its tokenizers and configs, so the notice is noise. Every other message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("PyTorch was not found.")
+
+
+# transformers logs the notice on its root logger ("transformers") when it is first imported,
+# which happens lazily (the tokenizer of a target): install the filter before that.
+logging.getLogger("transformers").addFilter(_NoTorchNotice())
+
+from dspark_jax.generation import GenerationResult, generate  # noqa: E402
+from dspark_jax.target import Target, load_target  # noqa: E402
+from dspark_jax.drafter import Drafter, init_drafter, load_drafter  # noqa: E402
 
 __all__ = ["Drafter", "GenerationResult", "Target", "generate", "init_drafter", "load_drafter",
            "load_target"]

@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
+# Errors that mean bad input: a one-line message and exit status 2. Our argument and input checks
+# raise ValueError, and so do the project's own error types (CheckpointError and
+# UnsupportedModelError subclass it). Anything else, a TypeError from a bug included, keeps its
+# traceback. (The library's deliberate TypeError, generate's "prompts must be a list of
+# strings", cannot come from here: the commands always pass a list of --prompt strings.)
+USER_ERRORS = (ValueError,)
 
 
 def _dtype(name):
@@ -430,7 +436,7 @@ def main(argv=None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args, extra) if args.command == "train" else args.func(args)
-    except (ValueError, TypeError) as e:  # bad input: a clear message, no traceback
+    except USER_ERRORS as e:  # bad input: a clear message, no traceback
         print(f"dspark-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

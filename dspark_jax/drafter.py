@@ -166,6 +166,9 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter
     """Loads a drafter for ``target``: a folder (DeepSpec, z-lab DFlash or Orbax layout) or the
     name of a packaged drafter (``PACKAGED_DRAFTERS``, e.g. "dspark-smollm2-135m").
 
+    The drafter uses the target's embedding and LM head; a DeepSpec folder's copies of them
+    that differ from the target's (beyond the rounding of their dtypes) raise a UserWarning.
+
     Raises:
       CheckpointError: unreadable folder, or a drafter that does not fit the target.
       ValueError: neither a folder nor a packaged drafter name.
@@ -176,6 +179,8 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter
         raise ValueError(f"no drafter folder {str(path)!r}, and it is not a packaged drafter "
                          f"({', '.join(PACKAGED_DRAFTERS)})")
     model_cfg, cfg, graphdef, state = deepspec.load(path, target.config, dtype or target.dtype)
+    if deepspec.detect_layout(path) != "orbax":
+        deepspec.warn_on_other_target_tensors(path, cfg, target.state, target.config)
     drafter = Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)
     if (Path(path) / calibration.CALIBRATION_FILE).exists():
         try:

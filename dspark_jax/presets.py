@@ -2,6 +2,9 @@
 
 A config file is ``get_config()`` returning an ml-collections ConfigDict with ``.target`` (a
 model name or path), ``.drafter`` (drafter config fields) and ``.train`` (training settings).
+The Qwen3 configs leave ``.target`` unset (None): it is the user's local copy of the model,
+required on the command line (``--target=PATH``, checked by
+``dspark_jax.experiment.check_runnable``), as is ``train.data_dir`` in every config.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ DSPARK_TRAIN = dict(
     data_dir=(),            # folders written by `dspark-jax prepare-data`
     feature_dir=(),         # optional target-feature caches (`dspark-jax prepare-features`),
                             # one per data_dir; empty: the step runs the target online
-    max_steps=0,            # 0: epochs * ceil(samples / global_batch_size)
+    max_steps=0,            # 0: epochs x the packed batches of one pass over the data
+                            # (trainer.total_steps)
     pack_length=4096,       # tokens per packed row
     anchors_per_row=512,    # anchor slots per packed row
     grad_accum_steps=1,
@@ -51,18 +55,19 @@ SMOLLM2_TRAIN = dict(
     checkpoint_every=50)
 
 
-def experiment(target: str, drafter: dict, train: dict) -> ml_collections.ConfigDict:
-    """An experiment config: ``.target``, ``.drafter`` and ``.train``."""
+def experiment(target: str | None, drafter: dict, train: dict) -> ml_collections.ConfigDict:
+    """An experiment config: ``.target`` (None: a required string field), ``.drafter`` and
+    ``.train``."""
     config = ml_collections.ConfigDict()
-    config.target = target
+    config.target = ml_collections.config_dict.placeholder(str) if target is None else target
     config.drafter = ml_collections.ConfigDict(dict(drafter))
     config.train = ml_collections.ConfigDict(dict(train))
     return config
 
 
-def qwen3_dspark(target: str, target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
-    """DeepSpec's DSpark config for a Qwen3 target."""
-    return experiment(target, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids),
+def qwen3_dspark(target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
+    """DeepSpec's DSpark config for a Qwen3 target (``.target``: required, the local copy)."""
+    return experiment(None, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids),
                       DSPARK_TRAIN)
 
 
@@ -77,8 +82,8 @@ def smollm2_dflash() -> ml_collections.ConfigDict:
                       dict(SMOLLM2_TRAIN, **DFLASH_TRAIN_CHANGES))
 
 
-def qwen3_dflash(target: str, target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
-    """DeepSpec's DFlash baseline config for a Qwen3 target."""
+def qwen3_dflash(target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
+    """DeepSpec's DFlash baseline config for a Qwen3 target (``.target``: required)."""
     return experiment(
-        target, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids, **DFLASH_DRAFTER_CHANGES),
+        None, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids, **DFLASH_DRAFTER_CHANGES),
         dict(DSPARK_TRAIN, **DFLASH_TRAIN_CHANGES))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -178,15 +179,20 @@ def _from_source(hf_config: dict, source: hf.TensorSource, dtype, tokenizer, nam
     return Target(config, state, graphdef, tokenizer=tokenizer, hf_config=hf_config, name=name)
 
 
-def load_hf_folder(folder: str | os.PathLike, dtype=None) -> Target:
-    folder = Path(folder)
+def _hf_folder_config(folder: Path) -> dict:
+    """The config.json dict of a Hugging Face model folder."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{folder} has no config.json (not a Hugging Face model folder)")
     try:
-        hf_config = json.loads(config_path.read_text())
+        return json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"corrupt config.json in {folder}: {e}") from e
+
+
+def load_hf_folder(folder: str | os.PathLike, dtype=None) -> Target:
+    folder = Path(folder)
+    hf_config = _hf_folder_config(folder)
     model_config_from_hf(hf_config)  # architecture errors before touching the weights
     return _from_source(hf_config, hf.SafetensorsFolder(folder), dtype, _load_tokenizer(folder),
                         folder.name)
@@ -219,6 +225,27 @@ def load_registered(name: str, dtype=None) -> Target:
     return target
 
 
+def _source_kind(source: str | os.PathLike) -> tuple[str, str | Path]:
+    """("registered", name), ("gguf", path), ("orbax", path) or ("hf", path) of a target source.
+
+    Raises:
+      CheckpointError: none of those (e.g. a Hugging Face hub id: nothing is downloaded).
+    """
+    text = str(source)
+    if text in registry.REGISTRY:
+        return "registered", text
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf", path
+    if path.is_dir() and (path / ORBAX_MARKER).exists():
+        return "orbax", path
+    if path.is_dir():
+        return "hf", path
+    raise CheckpointError(
+        f"unknown model {text!r}: not a registered name ({', '.join(registry.REGISTRY)}), "
+        "a Hugging Face folder, an Orbax folder or a .gguf file")
+
+
 def load_target(source: str | os.PathLike, dtype=None) -> Target:
     """Loads a target model.
 
@@ -228,16 +255,23 @@ def load_target(source: str | os.PathLike, dtype=None) -> Target:
         written by ``dspark-jax convert --to orbax``.
       dtype: parameter/compute dtype; default float32 on CPU, bfloat16 on accelerators.
     """
-    text = str(source)
-    if text in registry.REGISTRY:
-        return load_registered(text, dtype)
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype)
-    if path.is_dir() and (path / ORBAX_MARKER).exists():
-        return load_orbax(path, dtype)
-    if path.is_dir():
-        return load_hf_folder(path, dtype)
-    raise CheckpointError(
-        f"unknown model {text!r}: not a registered name ({', '.join(registry.REGISTRY)}), "
-        "a Hugging Face folder, an Orbax folder or a .gguf file")
+    kind, where = _source_kind(source)
+    load = {"registered": load_registered, "gguf": load_gguf, "orbax": load_orbax,
+            "hf": load_hf_folder}[kind]
+    return load(where, dtype)
+
+
+def load_target_config(source: str | os.PathLike) -> ml_collections.FrozenConfigDict:
+    """The model config of a target source (as ``load_target`` takes it), read from its
+    config.json, GGUF header or Orbax metadata without touching the weights."""
+    kind, where = _source_kind(source)
+    if kind == "registered":
+        folder = registry.converted_folder(where)
+        if (folder / "config.json").exists():
+            return model_config_from_hf(_hf_folder_config(folder))
+        return model_config_from_hf(GGUFFile(registry.registered_file(where)).hf_config())
+    if kind == "gguf":
+        return model_config_from_hf(GGUFFile(where).hf_config())
+    if kind == "orbax":
+        return model_config_from_hf(json.loads((where / ORBAX_MARKER).read_text())["hf_config"])
+    return model_config_from_hf(_hf_folder_config(where))

@@ -1,12 +1,15 @@
-"""Shared pieces of the launch scripts: running (or printing) commands, the remote install."""
+"""Shared pieces of the launch scripts: the config check, running (or printing) commands, the
+remote install."""
 
 from __future__ import annotations
 
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 REPO_DIR = "dspark-jax"  # where the project lands on every host (relative to $HOME)
+ROOT = Path(__file__).resolve().parents[1]  # the project, copied to REPO_DIR on every host
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -15,6 +18,28 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
         return argv, []
     cut = argv.index("--")
     return argv[:cut], argv[cut + 1:]
+
+
+def check_config(config: str, overrides: list[str], remote_paths: bool = False) -> None:
+    """Loads ``config`` (relative to the project root) with the overrides and checks that it can
+    train (``dspark_jax.experiment.check_runnable``: the required target and data, present on
+    this machine unless ``remote_paths``) before any host starts; prints the target it
+    resolved, or exits with the problem."""
+    from dspark_jax.experiment import apply_overrides, check_runnable, load_config
+
+    try:
+        experiment = load_config(ROOT / config)
+        apply_overrides(experiment, overrides)
+        target = check_runnable(experiment, config, root=ROOT, paths=not remote_paths)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if remote_paths:
+        print(f"target {experiment.target}: not checked here (--remote-paths)")
+    elif target is None:
+        print(f"target {experiment.target}: registered, installed on every host")
+    else:
+        print(f"target {experiment.target}: {target.model_type}, {target.num_hidden_layers} "
+              f"layers, hidden size {target.hidden_size}, vocabulary {target.vocab_size}")
 
 
 def run(cmd: list[str], dry_run: bool, background: bool = False) -> None:
@@ -29,6 +54,13 @@ def run(cmd: list[str], dry_run: bool, background: bool = False) -> None:
     result = subprocess.run(cmd)
     if result.returncode:
         sys.exit(result.returncode)
+
+
+def add_check_args(parser) -> None:
+    """The --remote-paths switch of both launch scripts."""
+    parser.add_argument("--remote-paths", action="store_true",
+                        help="the target and data paths exist only on the hosts (a mount "
+                        "there): check that they are given, not that they exist here")
 
 
 def install_command(extra: str) -> str:

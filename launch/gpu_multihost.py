@@ -5,10 +5,17 @@ Host 0 is the coordinator; each host runs ``dspark-jax train`` with
 ``jax.distributed.initialize`` before anything touches a device.
 
     python launch/gpu_multihost.py --hosts gpu0,gpu1 --config configs/dspark_qwen3_4b.py \
-        [--port 1234] [--dry-run] [-- --train.learning_rate=3e-4 ...]
+        [--port 1234] [--dry-run] [--remote-paths] -- \
+        --target=/models/Qwen3-4B --train.data_dir="('/data/qwen3',)" [--train.max_steps=100 ...]
 
 ``--dry-run`` prints the rsync/ssh commands without running them. Everything after ``--`` is
 passed to ``dspark-jax train`` as config overrides.
+Before any command runs, the config is loaded with the overrides and checked: the target
+(``--target=``, a local Hugging Face folder, .gguf file or Orbax folder) and the data folders
+(``--train.data_dir=``, each with the manifest.json of ``dspark-jax prepare-data``) are
+required and must exist on this machine under the paths the hosts see (a shared or mounted
+filesystem; relative paths start at the project root); ``--remote-paths`` checks only that
+they are given.
 """
 
 from __future__ import annotations
@@ -18,9 +25,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_DIR, install_command, run, split_overrides, train_command  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import (ROOT, REPO_DIR, add_check_args, check_config, install_command,  # noqa: E402
+                    run, split_overrides, train_command)
 
 
 def main(argv=None) -> int:
@@ -31,7 +37,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="config file, relative to the project root")
     p.add_argument("--cuda-extra", default="jax[cuda12]", help="pip spec of JAX for the GPUs")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    add_check_args(p)
     args = p.parse_args(argv)
+    check_config(args.config, overrides, args.remote_paths)
 
     hosts = [h for h in args.hosts.split(",") if h]
     coordinator = f"{hosts[0].split('@')[-1]}:{args.port}"

@@ -4,10 +4,17 @@ Every host of the slice runs the same ``dspark-jax train`` command; ``--distribu
 call ``jax.distributed.initialize()``, which discovers the slice's hosts on TPU by itself.
 
     python launch/tpu_pod.py --name dspark --zone us-east5-a --accelerator v5p-32 \
-        --config configs/dspark_qwen3_4b.py [--dry-run] [-- --train.learning_rate=3e-4 ...]
+        --config configs/dspark_qwen3_4b.py [--dry-run] [--remote-paths] -- \
+        --target=/models/Qwen3-4B --train.data_dir="('/data/qwen3',)" [--train.max_steps=100 ...]
 
 ``--dry-run`` prints the gcloud commands without running them. ``--skip-create`` reuses an
 existing VM. Everything after ``--`` is passed to ``dspark-jax train`` as config overrides.
+Before any command runs, the config is loaded with the overrides and checked: the target
+(``--target=``, a local Hugging Face folder, .gguf file or Orbax folder) and the data folders
+(``--train.data_dir=``, each with the manifest.json of ``dspark-jax prepare-data``) are
+required and must exist on this machine under the paths the hosts see (a shared or mounted
+filesystem; relative paths start at the project root); ``--remote-paths`` checks only that
+they are given.
 """
 
 from __future__ import annotations
@@ -17,9 +24,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO_DIR, install_command, run, split_overrides, train_command  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import (ROOT, REPO_DIR, add_check_args, check_config, install_command,  # noqa: E402
+                    run, split_overrides, train_command)
 
 
 def main(argv=None) -> int:
@@ -34,7 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--spot", action="store_true", help="create a spot VM")
     p.add_argument("--skip-create", action="store_true", help="reuse an existing VM")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    add_check_args(p)
     args = p.parse_args(argv)
+    check_config(args.config, overrides, args.remote_paths)
 
     gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
     where = ["--zone", args.zone] + (["--project", args.project] if args.project else [])

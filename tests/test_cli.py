@@ -1,8 +1,13 @@
 """The dspark-jax command line: convert round trip and error reporting."""
 
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 
 from dspark_jax import cli, load_target
+from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.target import init_target
 
 TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=48,
@@ -50,3 +55,36 @@ def test_generate_with_an_untrained_drafter(smollm2, smollm2_cache, monkeypatch,
                      "--drafter", "init", "--verify", "threshold", "--threshold", "0.4"]) == 0
     out = capsys.readouterr().out
     assert ">>> Count to five." in out and "tau " in out and "accept rate @k" in out
+
+
+def test_a_programming_error_is_not_reported_as_bad_input(monkeypatch):
+    def buggy(args):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+    monkeypatch.setattr(cli, "cmd_convert", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        cli.main(["convert", "--to", "hf", "--output", "unused"])
+
+
+def test_checkpoint_errors_are_reported_as_bad_input(monkeypatch, capsys):
+    def missing(args):
+        raise CheckpointError("no safetensors weights in /nowhere")
+
+    monkeypatch.setattr(cli, "cmd_convert", missing)
+    assert cli.main(["convert", "--to", "hf", "--output", "unused"]) == 2
+    assert "dspark-jax convert: error: no safetensors weights in /nowhere" in capsys.readouterr().err
+
+
+def test_no_pytorch_notice_without_torch():
+    """transformers says "PyTorch was not found" when it is first imported without torch;
+    dspark-jax only uses its tokenizers, so the notice is dropped, and only that one."""
+    script = ("import sys; sys.modules['torch'] = None\n"  # torch unimportable
+              "import dspark_jax\n"
+              "from transformers import PreTrainedTokenizerFast\n"  # what the tokenizers import
+              "from transformers.utils import logging\n"
+              "logging.get_logger('transformers').warning('another transformers warning')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "PyTorch was not found" not in proc.stdout + proc.stderr
+    assert "another transformers warning" in proc.stderr

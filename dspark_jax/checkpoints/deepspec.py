@@ -8,7 +8,8 @@ Layouts (DSPARK_SPEC.md section 10):
   num_target_layers, num_anchors, markov_rank, markov_head_type, enable_confidence_head,
   confidence_head_with_markov and tie_word_embeddings false. The safetensors (single or
   sharded) hold exactly the spec's keys, including copies of the target's ``embed_tokens`` and
-  ``lm_head`` (ignored on import: the drafter always uses its target's).
+  ``lm_head`` (ignored on import: the drafter always uses its target's; a copy that differs
+  from the target's raises a warning, see ``warn_on_other_target_tensors``).
 * ``dflash``: the z-lab DFlash layout: no embed_tokens / lm_head, no heads, architectures
   ["DFlashDraftModel"], ``dflash_config`` holding mask_token_id and target_layer_ids; only the
   mask slots predict unless ``dflash_config.sample_from_anchor`` is true.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -48,6 +50,8 @@ MASK_KEY = "mask_embedding"
 OVERRIDES = {("mask_embedding",): MASK_KEY}
 FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
+TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the deepspec layout's copies
+COMPARE_ROWS = 4096  # rows per float32 chunk when a copy is compared with the target's
 
 
 # ----------------------------------------------------------------------------- model config
@@ -183,16 +187,71 @@ def drafter_tensors(layout: str, cfg, state: nnx.State, target_state: nnx.State 
     """
     tensors = dict(hf.iter_torch_tensors(state, prefix="", overrides=OVERRIDES))
     if layout == "deepspec" and target_state is not None:
-        flat = {tuple(str(p) for p in path): v.get_value()
-                for path, v in nnx.to_flat_state(target_state)}
-        embed = np.array(jax.device_get(flat[("embed_tokens", "embedding")]))
-        head = (embed if target_config.tie_word_embeddings
-                else np.asarray(jax.device_get(flat[("lm_head",)])).T)
+        embed = np.array(target_tensor("embed_tokens.weight", target_state, target_config))
         if cfg.trainable_mask_embedding:
             embed[cfg.mask_token_id] = tensors[MASK_KEY].astype(embed.dtype)
         tensors["embed_tokens.weight"] = np.ascontiguousarray(embed)
-        tensors["lm_head.weight"] = np.ascontiguousarray(head)
+        tensors["lm_head.weight"] = np.ascontiguousarray(
+            target_tensor("lm_head.weight", target_state, target_config))
     return tensors
+
+
+def target_tensor(key: str, target_state: nnx.State, target_config) -> np.ndarray:
+    """The target's tensor that the deepspec layout copies as ``key`` (one of TARGET_TENSORS),
+    in torch layout [vocab, d]; the LM head is the embedding for tied targets."""
+    flat = {tuple(str(p) for p in path): v.get_value()
+            for path, v in nnx.to_flat_state(target_state)}
+    if key == "embed_tokens.weight" or target_config.tie_word_embeddings:
+        return np.asarray(jax.device_get(flat[("embed_tokens", "embedding")]))
+    return np.asarray(jax.device_get(flat[("lm_head",)])).T
+
+
+def _largest_difference(saved: np.ndarray, expected: np.ndarray, skip_row: int | None) -> float:
+    """The largest |saved - expected| over the elements that differ by more than the coarser
+    dtype's rounding (relative eps, so a bfloat16 copy of a float32 tensor agrees); 0.0 when
+    all agree, inf for different shapes. Row ``skip_row`` is not compared."""
+    if saved.shape != expected.shape:
+        return float("inf")
+    eps = max(float(jnp.finfo(saved.dtype).eps), float(jnp.finfo(expected.dtype).eps))
+    tiny = max(float(jnp.finfo(saved.dtype).smallest_normal),
+               float(jnp.finfo(expected.dtype).smallest_normal))
+    largest = 0.0
+    for start in range(0, len(saved), COMPARE_ROWS):
+        a = saved[start:start + COMPARE_ROWS].astype(np.float32)
+        b = expected[start:start + COMPARE_ROWS].astype(np.float32)
+        if skip_row is not None and start <= skip_row < start + len(a):
+            a[skip_row - start] = b[skip_row - start]
+        gap = np.abs(a - b)
+        beyond = gap[gap > tiny + eps * np.abs(b)]
+        largest = max(largest, float(beyond.max(initial=0.0)))
+    return largest
+
+
+def warn_on_other_target_tensors(folder: str | os.PathLike, cfg, target_state: nnx.State,
+                                 target_config) -> None:
+    """Warns when a drafter folder's copies of embed_tokens / lm_head differ from the target's.
+
+    The drafter always uses its target's embedding and LM head, so a different copy means the
+    drafter was trained with other ones (another target, or another precision of it) and may
+    draft worse than its checkpoint promises. Absent copies (the dflash layout, compact deepspec
+    folders) are fine. With a trainable mask embedding the mask token's row is not compared:
+    the deepspec layout writes the mask vector into embed_tokens there (and exports of tied
+    targets written before the LM head got its own copy, into lm_head too).
+    """
+    source = hf.SafetensorsFolder(folder)
+    skip_row = cfg.mask_token_id if cfg.trainable_mask_embedding else None
+    for key in TARGET_TENSORS:
+        if key not in source:
+            continue
+        expected = target_tensor(key, target_state, target_config)
+        largest = _largest_difference(source.get(key), expected, skip_row)
+        if largest > 0:
+            name = key.removesuffix(".weight")
+            warnings.warn(
+                f"drafter checkpoint {folder}: its {key} differs from the target's (largest "
+                f"difference {largest:.3g}, beyond rounding); the drafter uses the target's "
+                f"{name} and ignores the checkpoint's copy, so it may have been trained for "
+                "another target", stacklevel=3)
 
 
 def tensor_shapes(layout: str, cfg, state: nnx.State, target_config) -> dict[str, tuple[int, ...]]:
@@ -330,4 +389,4 @@ def _load_orbax(folder: Path, target_config, dtype):
 
 __all__ = ["LAYOUTS", "abstract_drafter", "check_target_fit", "detect_layout",
            "draft_model_config", "drafter_tensors", "hf_config_for", "load", "parse_hf_config",
-           "save"]
+           "save", "target_tensor", "warn_on_other_target_tensors"]

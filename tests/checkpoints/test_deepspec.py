@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,6 +24,7 @@ TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, i
 QWEN3_4B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2560,
                 intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # the deepspec layout's target tensors
 
 
 def spec_shapes(*, d, heads, kv, hd, inner, vocab, taps, rank, layers, confidence=True):
@@ -174,3 +177,62 @@ def test_bad_fit_errors(target, saved, tmp_path, change, message):
     folder = _edited(saved, tmp_path, config=change.get("config"), drop=change.get("drop", ()))
     with pytest.raises(CheckpointError, match=message):
         dspark_jax.load_drafter(folder, other)
+
+
+def _with_tensors(saved, tmp_path, change):
+    """A copy of the folder ``saved`` whose tensors went through ``change(dict) -> dict``."""
+    folder = tmp_path / "changed"
+    folder.mkdir()
+    (folder / "config.json").write_text((saved / "config.json").read_text())
+    save_file(change(load_file(str(saved / "model.safetensors"))), str(folder / "model.safetensors"))
+    return folder
+
+
+def _bumped(key):
+    def change(tensors):
+        bumped = tensors[key].copy()
+        bumped[3] += 0.5
+        return dict(tensors, **{key: bumped})
+    return change
+
+
+def _target_tensor_warnings(load) -> list[str]:
+    """The warnings about differing target tensors that ``load()`` raises."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load()
+    return [str(w.message) for w in caught if "differs from the target's" in str(w.message)]
+
+
+def _bfloat16_copies(tensors):
+    return dict(tensors, **{k: tensors[k].astype(ml_dtypes.bfloat16) for k in TARGET_COPIES})
+
+
+@pytest.mark.parametrize("key", TARGET_COPIES)
+def test_a_copy_of_other_target_tensors_warns(target, saved, tmp_path, key):
+    folder = _with_tensors(saved, tmp_path, _bumped(key))
+    name = key.removesuffix(".weight")
+    with pytest.warns(UserWarning, match=rf"drafter checkpoint {folder}: its {key} differs from "
+                      rf"the target's .*the drafter uses the target's {name}"):
+        dspark_jax.load_drafter(folder, target)
+
+
+@pytest.mark.parametrize("copies", ["float32", "bfloat16", "compact"])
+def test_copies_of_the_targets_tensors_do_not_warn(target, saved, tmp_path, copies):
+    change = {"float32": dict, "bfloat16": _bfloat16_copies,
+              "compact": lambda t: {k: v for k, v in t.items() if k not in TARGET_COPIES}}
+    folder = _with_tensors(saved, tmp_path, change[copies])
+    assert not _target_tensor_warnings(lambda: dspark_jax.load_drafter(folder, target))
+
+
+def test_tied_target_with_a_trainable_mask_exports_its_lm_head_unchanged(tmp_path):
+    tied = init_target({**TINY, "tie_word_embeddings": True}, seed=2)
+    drafter = dspark_jax.init_drafter(tied, seed=3)
+    assert drafter.config.trainable_mask_embedding
+    folder = drafter.save(tmp_path / "d")
+    tensors = load_file(str(folder / "model.safetensors"))
+    embed = np.asarray(tied.state["embed_tokens"]["embedding"].get_value())
+    np.testing.assert_array_equal(tensors["lm_head.weight"], embed)
+    np.testing.assert_array_equal(tensors["embed_tokens.weight"][drafter.config.mask_token_id],
+                                  tensors["mask_embedding"])
+    assert not _target_tensor_warnings(lambda: dspark_jax.load_drafter(folder, tied))
