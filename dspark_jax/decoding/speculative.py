@@ -191,7 +191,8 @@ def decode(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         active = ~c["done"]
         block, anchor, anchor_pos, count = c["block"], c["anchor"], c["anchor_pos"], c["count"]
         conf = block_confidences(block, temps)
-        num_draft = policy_lengths(policy, conf, c["history"][0], active, policy_params)
+        num_draft = policy_lengths(policy, conf, c["history"][0], active, policy_params,
+                                   dense_buckets=buckets)
 
         # Verify over the smallest bucket holding the longest row.
         bucket = jnp.searchsorted(jnp.asarray(buckets), jnp.max(num_draft) + 1)

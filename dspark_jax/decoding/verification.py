@@ -62,7 +62,8 @@ def default_params(policy, batch: int, proposals: int, params: dict | None = Non
     return out
 
 
-def policy_lengths(policy: str | Callable, confidences, lagged, active, params: dict):
+def policy_lengths(policy: str | Callable, confidences, lagged, active, params: dict,
+                   dense_buckets: tuple[int, ...] | None = None):
     """Draft tokens each row verifies: int32 [b] in 0..P (0 for inactive rows).
 
     Args:
@@ -70,6 +71,9 @@ def policy_lengths(policy: str | Callable, confidences, lagged, active, params: 
         of the block verified two rounds earlier (0 in a request's first two rounds).
       active: bool [b] rows still generating.
       params: from :func:`default_params`.
+      dense_buckets: static verify buckets of a dense batch, where every row runs padded to the
+        bucket of the longest one: ``prefix`` and ``production`` then score b x bucket forward
+        tokens, what is run. None: a flat verify of sum(1 + n_b) tokens (the serving engine).
     """
     batch, proposals = confidences.shape
     if callable(policy):
@@ -81,9 +85,10 @@ def policy_lengths(policy: str | Callable, confidences, lagged, active, params: 
     elif policy == "threshold":
         lengths = scheduling.threshold_lengths(confidences, params["threshold"], active)
     elif policy == "prefix":
-        lengths = scheduling.prefix_schedule(confidences, params["sps"], active)
+        lengths = scheduling.prefix_schedule(confidences, params["sps"], active, dense_buckets)
     else:
-        lengths = scheduling.production_schedule(confidences, lagged, params["sps"], active)
+        lengths = scheduling.production_schedule(confidences, lagged, params["sps"], active,
+                                                 verify_buckets=dense_buckets)
     return jnp.where(active, jnp.clip(lengths, 0, proposals), 0).astype(jnp.int32)
 
 

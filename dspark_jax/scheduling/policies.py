@@ -10,7 +10,10 @@ Notation (spec section 9, paper Algorithm 1 / Appendix A / Sec. 5.2):
                    (``confidences``, float ``[R, gamma]``, values in ``[0, 1]``).
 * ``a[r, j]``      survival ``prod_{i <= j} c[r, i]``: probability that the prefix through
                    ``j`` is accepted (``survivals``).  Non-increasing in ``j``.
-* ``B``            forward batch size in tokens, ``sum_r (1 + l_r)`` over active requests.
+* ``B``            forward batch size in tokens: ``sum_r (1 + l_r)`` over active requests in
+                   a flat (ragged) verify; ``R * T`` in a dense one, where every row of the
+                   static batch runs padded to the smallest verify bucket ``T`` holding
+                   ``1 + max_r l_r`` (``verify_buckets``).
 * ``tau``          expected emitted tokens, ``sum_r (1 + sum_{j <= l_r} a[r, j])``.
 * ``SPS(B)``       profiled engine throughput (steps/s) for a forward of ``B`` tokens,
                    given as a table ``sps`` float ``[Bmax + 1]`` indexed by ``B``
@@ -121,6 +124,7 @@ def _ranked_candidates(confidences, active):
       a_sorted: float [R * gamma] survivals in ranked order, 0 for invalid ones.
       n_valid: int32 scalar, number of valid candidates.
       r_active: int32 scalar, number of active requests.
+      pos_sorted: int32 [R * gamma] block position (0-based) of each candidate in ranked order.
     """
     a = survivals(confidences)
     num_requests, gamma = a.shape
@@ -135,44 +139,72 @@ def _ranked_candidates(confidences, active):
     a_sorted = flat_a[order]
     n_valid = jnp.sum(flat_valid).astype(jnp.int32)
     r_active = jnp.sum(act).astype(jnp.int32)
-    return a, valid, rank.reshape(num_requests, gamma).astype(jnp.int32), a_sorted, n_valid, r_active
+    pos_sorted = (order % gamma).astype(jnp.int32)
+    return (a, valid, rank.reshape(num_requests, gamma).astype(jnp.int32), a_sorted, n_valid,
+            r_active, pos_sorted)
+
+
+def _forward_tokens(pos_sorted, r_active, num_requests: int, verify_buckets):
+    """int32 [N + 1]: the verify forward's tokens B after admitting the first k ranked candidates.
+
+    Flat (``verify_buckets`` None): ``R_active + k``. Dense: all ``num_requests`` rows run padded
+    to the smallest bucket holding the anchor and the longest admitted prefix,
+    ``R * bucket(1 + max_{i < k} (pos_i + 1))``.
+    """
+    k = jnp.arange(pos_sorted.shape[0] + 1, dtype=jnp.int32)
+    if verify_buckets is None:
+        return r_active + k
+    longest = jnp.concatenate([jnp.zeros((1,), jnp.int32), jax.lax.cummax(pos_sorted + 1)])
+    return _dense_tokens(longest, num_requests, verify_buckets)
+
+
+def _dense_tokens(longest, num_requests: int, verify_buckets):
+    """``R * T``: the tokens of a dense verify whose longest row verifies ``longest`` drafts
+    (int array), ``T`` the smallest bucket >= 1 + longest."""
+    buckets = jnp.asarray(verify_buckets, jnp.int32)
+    index = jnp.minimum(jnp.searchsorted(buckets, longest + 1), buckets.shape[0] - 1)
+    return num_requests * buckets[index]
+
+
+def _ranked_curve(confidences, sps, active, verify_buckets):
+    """(valid [R, gamma], rank [R, gamma], Theta [N + 1]) along the ranked admission path."""
+    _, valid, rank, a_sorted, n_valid, r_active, pos_sorted = _ranked_candidates(confidences, active)
+    tokens = _forward_tokens(pos_sorted, r_active, confidences.shape[0], verify_buckets)
+    sps = jnp.asarray(sps)
+    dtype = jnp.result_type(a_sorted.dtype, _float_dtype(sps))
+    k = jnp.arange(a_sorted.shape[0] + 1, dtype=jnp.int32)
+    tau = r_active.astype(dtype) + jnp.concatenate(
+        [jnp.zeros((1,), dtype), jnp.cumsum(a_sorted.astype(dtype))]
+    )
+    rate, in_table = _sps_lookup(sps.astype(dtype), tokens)
+    ok = in_table & (k <= n_valid)
+    return valid, rank, jnp.where(ok, tau * rate, -jnp.inf)
 
 
 def throughput_curve(
-    confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None
+    confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None,
+    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Theta along the greedy admission path: ``Theta[k]`` for ``k = 0..R*gamma`` drafts.
 
-    ``Theta[k] = (R_active + sum of the k largest survivals) * SPS(R_active + k)``, the best
-    throughput achievable with exactly ``k`` admitted draft tokens (for a fixed batch size
-    the top-k survivals maximise ``tau`` and automatically form per-request prefixes).
-    Entries with ``k`` beyond the number of positive-survival candidates, or with
-    ``R_active + k > Bmax``, are ``-inf`` (not admissible).
+    ``Theta[k] = (R_active + sum of the k largest survivals) * SPS(B_k)``, with ``B_k`` the
+    forward tokens of that admission (``R_active + k`` flat; ``R * T_k`` dense, see the module
+    docstring): for a flat verify the best throughput achievable with exactly ``k`` admitted
+    draft tokens (the top-k survivals maximise ``tau`` and automatically form per-request
+    prefixes). Entries with ``k`` beyond the number of positive-survival candidates, or with
+    ``B_k > Bmax``, are ``-inf`` (not admissible).
 
     Args:
       confidences: float ``[R, gamma]``.
       sps: float ``[Bmax + 1]`` steps/s by forward batch size in tokens.
       active: optional bool ``[R]``.
+      verify_buckets: static sorted token counts per row of a dense verify (the last one
+        ``gamma + 1``); None for a flat one.
 
     Returns:
       float ``[R * gamma + 1]``.
     """
-    _, _, _, a_sorted, n_valid, r_active = _ranked_candidates(confidences, active)
-    return _curve(a_sorted, n_valid, r_active, sps)
-
-
-def _curve(a_sorted, n_valid, r_active, sps):
-    """float [N + 1] Theta along the ranked admission path (see ``throughput_curve``)."""
-    sps = jnp.asarray(sps)
-    dtype = jnp.result_type(a_sorted.dtype, _float_dtype(sps))
-    n = a_sorted.shape[0]
-    k = jnp.arange(n + 1, dtype=jnp.int32)
-    tau = r_active.astype(dtype) + jnp.concatenate(
-        [jnp.zeros((1,), dtype), jnp.cumsum(a_sorted.astype(dtype))]
-    )
-    rate, in_table = _sps_lookup(sps.astype(dtype), r_active + k)
-    ok = in_table & (k <= n_valid)
-    return jnp.where(ok, tau * rate, -jnp.inf)
+    return _ranked_curve(confidences, sps, active, verify_buckets)[2]
 
 
 def expected_throughput(
@@ -180,6 +212,7 @@ def expected_throughput(
     lengths: jax.Array,
     sps: jax.Array,
     active: Optional[jax.Array] = None,
+    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Theta = tau * SPS(B) of an arbitrary length assignment.
 
@@ -188,6 +221,7 @@ def expected_throughput(
       lengths: int ``[R]`` in ``0..gamma`` (inactive rows are ignored).
       sps: float ``[Bmax + 1]``.
       active: optional bool ``[R]``.
+      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       float scalar; ``-inf`` when ``B`` is outside the table.
@@ -198,7 +232,10 @@ def expected_throughput(
     lengths = jnp.where(act, jnp.clip(jnp.asarray(lengths, jnp.int32), 0, gamma), 0)
     take = jnp.arange(gamma)[None, :] < lengths[:, None]
     tau = jnp.sum(act) + jnp.sum(jnp.where(take, a, 0.0))
-    batch = jnp.sum(act).astype(jnp.int32) + jnp.sum(lengths)
+    if verify_buckets is None:
+        batch = jnp.sum(act).astype(jnp.int32) + jnp.sum(lengths)
+    else:
+        batch = _dense_tokens(jnp.max(lengths), num_requests, verify_buckets)
     rate, in_table = _sps_lookup(jnp.asarray(sps), batch)
     return jnp.where(in_table, tau * rate, -jnp.inf)
 
@@ -213,7 +250,8 @@ def _lengths_from_count(valid, rank, count):
 
 
 def prefix_schedule(
-    confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None
+    confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None,
+    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Hardware-aware prefix scheduler with early stopping (paper Algorithm 1).
 
@@ -230,19 +268,20 @@ def prefix_schedule(
       confidences: float ``[R, gamma]`` per-step confidences ``c``.
       sps: float ``[Bmax + 1]`` steps/s by forward batch size in tokens.
       active: optional bool ``[R]``.
+      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       int32 ``[R]`` verification lengths (a prefix of each block; 0 for inactive rows).
     """
-    _, valid, rank, a_sorted, n_valid, r_active = _ranked_candidates(confidences, active)
-    theta = _curve(a_sorted, n_valid, r_active, sps)  # [N + 1]
+    valid, rank, theta = _ranked_curve(confidences, sps, active, verify_buckets)  # Theta [N + 1]
     improves = theta[1:] > theta[:-1]  # along the path Theta_best == Theta[k-1]
     count = jnp.sum(jnp.cumprod(improves.astype(jnp.int32))).astype(jnp.int32)
     return _lengths_from_count(valid, rank, count)
 
 
 def global_search_capacity(
-    confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None
+    confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None,
+    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Unconstrained global search of the production scheduler (paper Sec. 5.2).
 
@@ -257,11 +296,12 @@ def global_search_capacity(
       confidences: float ``[R, gamma]``.
       sps: float ``[Bmax + 1]``.
       active: optional bool ``[R]``.
+      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       int32 scalar capacity ``K``.
     """
-    theta = throughput_curve(confidences, sps, active)
+    theta = throughput_curve(confidences, sps, active, verify_buckets)
     return jnp.argmax(theta).astype(jnp.int32)
 
 
@@ -283,7 +323,7 @@ def top_k_prefix_schedule(
     Returns:
       int32 ``[R]`` lengths with ``sum(lengths) == min(K, #positive candidates)``.
     """
-    _, valid, rank, _, _, _ = _ranked_candidates(confidences, active)
+    _, valid, rank, _, _, _, _ = _ranked_candidates(confidences, active)
     count = jnp.maximum(jnp.asarray(capacity, jnp.int32), 0)
     return _lengths_from_count(valid, rank, count)
 
@@ -294,6 +334,7 @@ def production_schedule(
     sps: jax.Array,
     active: Optional[jax.Array] = None,
     lagged_active: Optional[jax.Array] = None,
+    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Asynchronous production scheduler (paper Sec. 5.2).
 
@@ -309,13 +350,14 @@ def production_schedule(
       active: optional bool ``[R]`` requests active this step.
       lagged_active: optional bool ``[R]`` requests active in the lagged step
         (defaults to ``active``).
+      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       int32 ``[R]`` lengths.
     """
     if lagged_active is None:
         lagged_active = active
-    capacity = global_search_capacity(lagged_confidences, sps, lagged_active)
+    capacity = global_search_capacity(lagged_confidences, sps, lagged_active, verify_buckets)
     return top_k_prefix_schedule(current_confidences, capacity, active)
 
 

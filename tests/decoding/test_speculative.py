@@ -160,6 +160,19 @@ def test_production_is_lossless_for_a_lone_request_with_token_dependent_confiden
     assert chi2 < bound, (chi2, dof)
 
 
+def test_prefix_scores_the_padded_dense_verify():
+    """Rows with even anchors and drafts are certain (c = 1), the others hopeless (c = 0), and a
+    forward above 8 tokens runs at half speed: the static batch of 4 rows verifies 4 x bucket
+    tokens, so Algorithm 1 must stop at one draft (4 x 2 tokens), not admit three drafts of a
+    certain row and run 4 x 4."""
+    target, drafter = law.law_models(token_dependent_confidence=True)
+    res = dspark_jax.generate(target, [law.PROMPT] * 4, max_new_tokens=24, temperature=1.0,
+                              seed=1, drafter=drafter, verify="prefix",
+                              verify_params={"sps": [1.0] * 9 + [0.5] * 8}, record=True)
+    verified = np.concatenate([r.trace["num_verified"] for r in res])
+    assert verified.max() == 1 and verified.sum() > 0, verified
+
+
 def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
     """The callable policy's ``lagged`` is round t-2's confidences, zeros in rounds 0-1."""
     target, drafter = law_models  # no EOS: the request runs all its rounds
