@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +31,31 @@ def _verify_params(args) -> dict:
     return params
 
 
+def _sps_table(args, target, drafter, prompts):
+    """The steps/s table of ``--sps``: a JSON file (a ``profile-sps`` profile, or a list of
+    steps/s by forward tokens), or ``auto``: this machine's profile for the batch (measured
+    once, then cached)."""
+    if args.sps != "auto":
+        path = Path(args.sps)
+        if not path.is_file():
+            raise ValueError(f"--sps {args.sps}: no such file (a profile-sps JSON, or 'auto')")
+        data = json.loads(path.read_text())
+        table = data.get("table") if isinstance(data, dict) else data
+        if not isinstance(table, list) or not table:
+            raise ValueError(f"--sps {args.sps}: expected a profile-sps JSON (with 'table') or a "
+                             "JSON list of steps/s by forward tokens")
+        return table
+    from dspark_jax.generation import encode_prompts
+    from dspark_jax.serving import machine_sps_table
+
+    print(f"--sps auto: this machine's steps/s for {len(prompts)} request(s) "
+          "(measured once, then cached)", file=sys.stderr)
+    return machine_sps_table(target, drafter, slots=len(prompts),
+                             prompt_len=max(len(ids) for ids in encode_prompts(target, prompts)),
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k)
+
+
 def cmd_generate(args) -> int:
     from dspark_jax import generate, init_drafter, load_drafter, load_target
 
@@ -40,10 +66,15 @@ def cmd_generate(args) -> int:
     elif args.drafter:
         drafter = load_drafter(args.drafter, target)
     prompts = args.prompt or ["Explain speculative decoding in two sentences."]
+    params = _verify_params(args)
+    if args.sps:
+        if drafter is None:
+            raise ValueError("--sps needs --drafter (it sizes speculative verification)")
+        params["sps"] = _sps_table(args, target, drafter, prompts)
     results = generate(target, prompts, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                        seed=args.seed, drafter=drafter, verify=args.verify,
-                       verify_params=_verify_params(args))
+                       verify_params=params)
     for prompt, result in zip(prompts, results):
         print(f">>> {prompt}\n{result.text}\n")
         if drafter is not None:
@@ -61,12 +92,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from dspark_jax.demo import DEFAULT_PROMPTS, format_report, run_demo
+    from dspark_jax.demo import DEFAULT_PROMPTS, format_report, mismatches, run_demo
 
     rows = run_demo(args.model, args.drafter, args.prompt or DEFAULT_PROMPTS,
-                    max_new_tokens=args.max_new_tokens, verify=args.verify)
+                    max_new_tokens=args.max_new_tokens)
     print(format_report(rows))
-    return 0
+    failures = mismatches(rows)
+    for line in failures:
+        print(f"dspark-jax demo: FAILED: {line}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def _drafter_labels(args) -> list[str]:
@@ -269,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verification policy (with --drafter)")
     gen.add_argument("--threshold", type=float, help="confidence threshold (--verify threshold)")
     gen.add_argument("--gamma", type=int, help="drafts verified per round (--verify fixed)")
+    gen.add_argument("--sps", help="steps/s table of --verify prefix/production: a profile-sps "
+                     "JSON, or 'auto' for this machine's profile (measured once, cached); "
+                     "without one they verify like 'full' (and say so)")
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="speculative vs autoregressive decoding on the embedded "
@@ -278,8 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drafter folder or packaged drafter name")
     demo.add_argument("--prompt", action="append", help="a user message (repeat for several)")
     demo.add_argument("--max-new-tokens", type=int, default=128)
-    demo.add_argument("--verify", default="full",
-                      choices=("full", "fixed", "threshold", "prefix", "production"))
     demo.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="tau and acceptance of drafters on the benchmark prompts")

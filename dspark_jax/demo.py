@@ -1,9 +1,12 @@
 """``dspark-jax demo``: the whole story on the embedded default model in one command.
 
 Loads SmolLM2-135M-Instruct and the DSpark drafter shipped with the package (trained on a CPU
-with ``configs/dspark_smollm2_135m.py``), answers a few prompts greedily with autoregressive
-and with speculative decoding in the same engine, checks that both emit the same tokens, and
-prints the answers, tau (tokens per target forward) and the wall-clock speedup.
+with ``configs/dspark_smollm2_135m.py``) and answers a few prompts greedily three ways in the
+same engine: autoregressively, speculatively verifying the full block, and speculatively with
+the DSpark production scheduler sizing each verify from this machine's steps/s profile
+(measured once and cached). It checks that all three emit the same tokens and prints the
+answers and, per way, tau (tokens per target forward), mean drafts verified and the wall-clock
+speedup over autoregressive decoding.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from dspark_jax.drafter import load_drafter
-from dspark_jax.generation import generate
+from dspark_jax.generation import encode_prompts, generate
+from dspark_jax.serving import machine_sps_table
 from dspark_jax.target import load_target
 
 DEFAULT_PROMPTS = (
@@ -23,55 +27,110 @@ DEFAULT_PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number.",
     "Give three tips for staying healthy.",
 )
+WAYS = ("full", "production")  # the speculative ways, each against autoregressive decoding
+
+
+@dataclasses.dataclass
+class Decoded:
+    """One prompt decoded one way (times are compiled decode only: ``generate``'s wall_s)."""
+
+    token_ids: list[int]
+    wall_s: float
+    rounds: int = 0  # verify rounds (speculative)
+    tau: float = 1.0  # tokens per target forward
+    verified: float = 0.0  # mean drafts verified per round
 
 
 @dataclasses.dataclass
 class DemoRow:
     prompt: str
     answer: str
-    new_tokens: int
-    tau: float  # tokens per verification round (stats "tau")
-    rounds: int
-    ar_s: float  # autoregressive wall time (compiled)
-    spec_s: float  # speculative wall time (compiled)
-    identical: bool  # speculative tokens == autoregressive tokens
+    ar: Decoded
+    spec: dict[str, Decoded]  # way -> decoded
+
+    def identical(self, way: str) -> bool:
+        return self.spec[way].token_ids == self.ar.token_ids
+
+
+def _decoded(result) -> Decoded:
+    s = result.stats
+    if "tau" not in s:
+        return Decoded(result.token_ids, s["wall_s"])
+    return Decoded(result.token_ids, s["wall_s"], s["rounds"], s["tau"], s["proposal_len"])
 
 
 def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm2-135m",
              prompts: Sequence[str] = DEFAULT_PROMPTS, *, max_new_tokens: int = 128,
-             verify: str = "full", progress: bool = True) -> list[DemoRow]:
-    """Greedy autoregressive vs speculative decoding of each prompt alone (batch 1).
+             sps=None, progress: bool = True) -> list[DemoRow]:
+    """Greedy autoregressive, full-block and production-scheduled decoding of each prompt
+    alone (batch 1).
 
-    Times are the engine's ``wall_s``: the compiled decode only (``generate`` compiles ahead of
-    time and reports that separately).
+    Args:
+      sps: the production scheduler's steps/s table by forward tokens; default this machine's
+        profile for one request (``serving.machine_sps_table``, cached after the first run).
     """
     target = load_target(model)
     draft = load_drafter(drafter, target)
+    if sps is None:
+        longest = max(len(ids) for ids in encode_prompts(target, prompts))
+        sps = machine_sps_table(target, draft, slots=1, prompt_len=longest,
+                                max_new_tokens=max_new_tokens)
     rows = []
     for prompt in tqdm(prompts, desc="demo", unit="prompt", disable=not progress):
         ar = generate(target, [prompt], max_new_tokens=max_new_tokens)[0]
-        spec = generate(target, [prompt], max_new_tokens=max_new_tokens, drafter=draft,
-                        verify=verify)[0]
-        rows.append(DemoRow(prompt, spec.text, len(spec.token_ids), spec.stats["tau"],
-                            spec.stats["rounds"], ar.stats["wall_s"], spec.stats["wall_s"],
-                            ar.token_ids == spec.token_ids))
+        spec = {way: _decoded(generate(target, [prompt], max_new_tokens=max_new_tokens,
+                                       drafter=draft, verify=way,
+                                       verify_params={"sps": sps} if way == "production" else None)[0])
+                for way in WAYS}
+        rows.append(DemoRow(prompt, ar.text, _decoded(ar), spec))
     return rows
 
 
 def format_report(rows: Sequence[DemoRow]) -> str:
-    """The answers, then a table of tau and speedup per prompt and overall."""
+    """The answers, then per prompt and overall: new tokens, autoregressive seconds, and for
+    each speculative way tau, mean drafts verified, seconds, speedup and token equality."""
     lines = []
     for i, row in enumerate(rows, 1):
         lines += [f"[{i}] {row.prompt}", f"--> {row.answer.strip()}", ""]
-    lines.append("| prompt | new tokens | tau | autoregressive (s) | speculative (s) | speedup | "
-                 "same tokens |")
-    lines.append("|---|---|---|---|---|---|---|")
+    header = "| prompt | new tokens | autoregressive (s) |"
+    rule = "|---|---|---|"
+    for way in WAYS:
+        header += f" {way}: tau | verified | s | speedup | same |"
+        rule += "---|---|---|---|---|"
+    lines += [header, rule]
+
+    def cells(label, ar_s, tokens, decoded: dict[str, list[Decoded]], same: dict[str, bool]):
+        line = f"| {label} | {tokens} | {ar_s:.2f} |"
+        for way in WAYS:
+            runs = decoded[way]
+            rounds = max(sum(d.rounds for d in runs), 1)
+            tau = sum(d.tau * d.rounds for d in runs) / rounds
+            verified = sum(d.verified * d.rounds for d in runs) / rounds
+            wall = sum(d.wall_s for d in runs)
+            line += (f" {tau:.2f} | {verified:.2f} | {wall:.2f} | {ar_s / wall:.2f}x | "
+                     f"{same[way]} |")
+        return line
+
     for i, row in enumerate(rows, 1):
-        lines.append(f"| {i} | {row.new_tokens} | {row.tau:.2f} | {row.ar_s:.2f} | "
-                     f"{row.spec_s:.2f} | {row.ar_s / row.spec_s:.2f}x | {row.identical} |")
-    tokens = sum(r.new_tokens for r in rows)
-    ar, spec = sum(r.ar_s for r in rows), sum(r.spec_s for r in rows)
-    tau = sum(r.tau * r.rounds for r in rows) / max(sum(r.rounds for r in rows), 1)
-    lines.append(f"| all | {tokens} | {tau:.2f} | {ar:.2f} | {spec:.2f} | {ar / spec:.2f}x | "
-                 f"{all(r.identical for r in rows)} |")
+        lines.append(cells(i, row.ar.wall_s, len(row.ar.token_ids),
+                           {w: [row.spec[w]] for w in WAYS}, {w: row.identical(w) for w in WAYS}))
+    lines.append(cells("all", sum(r.ar.wall_s for r in rows),
+                       sum(len(r.ar.token_ids) for r in rows),
+                       {w: [r.spec[w] for r in rows] for w in WAYS},
+                       {w: all(r.identical(w) for r in rows) for w in WAYS}))
     return "\n".join(lines)
+
+
+def mismatches(rows: Sequence[DemoRow]) -> list[str]:
+    """One line per (prompt, way) whose speculative tokens differ from autoregressive ones."""
+    out = []
+    for i, row in enumerate(rows, 1):
+        for way in WAYS:
+            if not row.identical(way):
+                spec = row.spec[way].token_ids
+                at = next((j for j, (a, b) in enumerate(zip(row.ar.token_ids, spec)) if a != b),
+                          min(len(spec), len(row.ar.token_ids)))
+                out.append(f"prompt {i}, {way}: speculative tokens differ from autoregressive "
+                           f"ones from token {at} on ({len(spec)} vs {len(row.ar.token_ids)} "
+                           "tokens)")
+    return out

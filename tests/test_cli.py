@@ -1,5 +1,6 @@
 """The dspark-jax command line: convert round trip and error reporting."""
 
+import json
 import subprocess
 import sys
 
@@ -49,12 +50,23 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert "unknown model 'no-such-model'" in err and "smollm2-135m-instruct" in err
 
 
-def test_generate_with_an_untrained_drafter(smollm2, smollm2_cache, monkeypatch, capsys):
+def test_generate_with_an_untrained_drafter(smollm2, smollm2_cache, monkeypatch, capsys,
+                                            tmp_path):
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(smollm2_cache))
     assert cli.main(["generate", "--prompt", "Count to five.", "--max-new-tokens", "12",
                      "--drafter", "init", "--verify", "threshold", "--threshold", "0.4"]) == 0
     out = capsys.readouterr().out
     assert ">>> Count to five." in out and "tau " in out and "accept rate @k" in out
+    # A steps/s table from a file: one forward token costs half of two, so prefix verifies
+    # nothing (mean proposal 0), where a flat table would verify every draft.
+    table = tmp_path / "sps.json"
+    table.write_text(json.dumps({"table": [1.0, 1.0] + [0.5] * 7}))
+    assert cli.main(["generate", "--prompt", "Count to five.", "--max-new-tokens", "12",
+                     "--drafter", "init", "--verify", "prefix", "--sps", str(table)]) == 0
+    assert "mean proposal 0.00" in capsys.readouterr().out
+    assert cli.main(["generate", "--prompt", "hi", "--drafter", "init", "--verify", "prefix",
+                     "--sps", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
 
 
 def test_a_programming_error_is_not_reported_as_bad_input(monkeypatch):

@@ -23,6 +23,7 @@ Policies (``policy`` is static, ``params`` are traced arrays):
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import jax.numpy as jnp
@@ -38,7 +39,8 @@ def default_params(policy, batch: int, proposals: int, params: dict | None = Non
     """Traced parameters of a policy with defaults filled in.
 
     Defaults: gamma = block, threshold 0 (keep all), and a flat steps/s table covering every
-    possible forward size (so the scheduler admits every positive-survival token).
+    possible forward size (so the scheduler admits every positive-survival token; ``prefix``
+    and ``production`` warn that they then verify like ``full``).
     ``confidence_temperatures`` [P] are the drafter's STS temperatures (default 1): every
     policy sees c_k = sigmoid(z_k / T_k).
     """
@@ -52,6 +54,11 @@ def default_params(policy, batch: int, proposals: int, params: dict | None = Non
                threshold=jnp.asarray(params.pop("threshold", 0.0), jnp.float32),
                confidence_temperatures=jnp.asarray(temps))
     sps = params.pop("sps", None)
+    if sps is None and policy in ("prefix", "production"):
+        warnings.warn(f"verify={policy!r} without a steps/s table: a flat table makes it verify "
+                      "every draft with positive survival, as 'full' does. Pass {'sps': table} "
+                      "(`dspark-jax profile-sps`, or `--sps auto` on the command line)",
+                      UserWarning, stacklevel=3)
     out["sps"] = (jnp.ones((batch * (proposals + 1) + 1,), jnp.float32) if sps is None
                   else jnp.asarray(sps, jnp.float32))
     if params:

@@ -93,6 +93,19 @@ def spread_drafts(confidences, lagged, active, params):
     return (total // count + (rank < total % count)).astype(jnp.int32)
 
 
+def machine_sps_table(target, drafter, *, slots: int, prompt_len: int, max_new_tokens: int,
+                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """This machine's steps/s table float32 [slots * (P + 1) + 1] by forward tokens, for
+    ``slots`` requests of prompts up to ``prompt_len`` tokens and ``max_new_tokens``: the
+    profile of the serving step (:meth:`Engine.profile_sps`, cache rows rounded up to a
+    multiple of 256 so that similar runs share it), measured once per key and then read from
+    the cache. It also serves ``generate``'s static batch of ``slots`` rows, whose verify of
+    b x T tokens does the same projection, MLP and LM-head work."""
+    cache = prompt_bucket(prompt_len) + max_new_tokens + drafter.num_proposals + 1
+    engine = Engine(target, drafter, slots=slots, max_len=-(-cache // 256) * 256)
+    return engine.profile_sps(temperature=temperature, top_p=top_p, top_k=top_k).table()
+
+
 class Engine:
     """Continuous batching with S slots over a target and its drafter.
 

@@ -1,5 +1,7 @@
 """Speculative decoding engine on tiny random targets: greedy equality, exact law, compiles."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,3 +212,15 @@ def test_unknown_policy_is_refused(qwen3):
     drafter = dspark_jax.init_drafter(qwen3)
     with pytest.raises(ValueError, match="unknown verification policy"):
         dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=4, drafter=drafter, verify="sometimes")
+
+
+def test_schedulers_without_a_table_say_so():
+    from dspark_jax.decoding import verification
+
+    for policy in ("prefix", "production"):
+        with pytest.warns(UserWarning, match=f"verify='{policy}' without a steps/s table"):
+            verification.default_params(policy, 2, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        verification.default_params("prefix", 2, 7, {"sps": [1.0] * 17})
+        verification.default_params("full", 2, 7)
