@@ -199,6 +199,11 @@ def cmd_prepare_features(args) -> int:
     from dspark_jax.training.trainer import compute_dtype
 
     config = load_config(args.config)
+    if args.target:
+        config.target = args.target
+    if not config.target:
+        raise ValueError(f"{args.config} names no target: pass --target PATH (a local Hugging "
+                         "Face folder, .gguf file or Orbax folder)")
     with jax.set_mesh(sharding.make_mesh(tuple(config.train.mesh_shape))):
         target = load_target(config.target, dtype=compute_dtype())
         taps = config_tap_layer_ids(config, target)
@@ -220,11 +225,12 @@ def cmd_train(args, overrides) -> int:
                                        process_id=args.process_id)
         else:
             jax.distributed.initialize()
-    from dspark_jax.experiment import apply_overrides, load_config
+    from dspark_jax.experiment import apply_overrides, check_runnable, load_config
     from dspark_jax.training.trainer import train
 
     config = load_config(args.config)
     apply_overrides(config, overrides)
+    check_runnable(config, args.config)  # required fields, target and data folders
     workdir = args.workdir or f"runs/{Path(args.config).stem}"
     drafter = train(config, workdir)
     print(f"trained {drafter}; checkpoints and metrics in {workdir}, drafter in {workdir}/drafter")
@@ -377,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="cache the target's features of a data folder (resumable)")
     feat.add_argument("--config", required=True,
                       help="experiment config file (configs/*.py): its target and drafter taps")
+    feat.add_argument("--target", help="the target (local folder, .gguf or Orbax folder), for "
+                      "configs that leave it to the user (configs/*qwen3*.py)")
     feat.add_argument("--data", required=True, help="folder written by prepare-data")
     feat.add_argument("--output", required=True, help="folder for feature files + manifest.json")
     feat.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +101,16 @@ def test_no_pytorch_notice_without_torch():
     assert proc.returncode == 0, proc.stderr
     assert "PyTorch was not found" not in proc.stdout + proc.stderr
     assert "another transformers warning" in proc.stderr
+
+
+def test_training_commands_name_missing_inputs(tmp_path, capsys):
+    """A Qwen3 config leaves the target and the data to the user: both commands say what to
+    pass before loading anything."""
+    config = str(Path(__file__).parents[1] / "configs" / "dspark_qwen3_4b.py")
+    assert cli.main(["prepare-features", "--config", config, "--data",
+                     str(tmp_path), "--output", str(tmp_path / "f")]) == 2
+    assert "names no target: pass --target PATH" in capsys.readouterr().err
+    assert cli.main(["train", "--config", config,
+                     "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "target is required" in err and "train.data_dir is required" in err
