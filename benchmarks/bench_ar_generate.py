@@ -4,13 +4,17 @@ Same model (SmolLM2-135M-Instruct, the weights dspark-jax converted from the GGU
 same chat prompts (gsm8k and mt-bench from ../shared/data/eval), same machine, measured in one
 run; reported as tokens/s ratios. Compile time of the jitted loop is reported separately.
 
-    python benchmarks/bench_ar_generate.py --max-new-tokens 64 --batches 1 8 --repeats 3
+    python benchmarks/bench_ar_generate.py --max-new-tokens 96 --batches 1 8 --repeats 5
+
+The two engines alternate run by run in one process (medians reported), and the load average
+before and after is recorded: a figure from a loaded machine is not a result.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -34,9 +38,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data" / "eval")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "ar_generate.json")
     args = parser.parse_args()
 
@@ -54,24 +58,22 @@ def main():
     encoded = encode_prompts(target, prompts)
     pad = target.tokenizer.pad_token_id
 
+    load_before = os.getloadavg()
     rows = []
     for batch in args.batches:
         ids = encoded[:batch]
         # dspark-jax: the first call compiles (timed separately), then timed runs.
         first = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens)
         compile_s = first[0].stats["compile_s"]
-        ours = []
-        for _ in range(args.repeats):
-            res = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens)
-            ours.append(res[0].stats["tokens_per_s"])
-
         width = max(len(p) for p in ids)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-        theirs = []
+        ours, theirs = [], []
         with torch.no_grad():
             hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-            for _ in range(args.repeats):
+            for _ in range(args.repeats):  # the two alternate, so both see the same machine
+                res = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens)
+                ours.append(res[0].stats["tokens_per_s"])
                 start = time.perf_counter()
                 out = hf_model.generate(input_ids, attention_mask=mask, do_sample=False,
                                         max_new_tokens=args.max_new_tokens, pad_token_id=pad)
@@ -92,7 +94,8 @@ def main():
 
     report = dict(benchmark="ar_generate", model=args.model, max_new_tokens=args.max_new_tokens,
                   repeats=args.repeats, machine=f"{platform.machine()} {platform.processor()}".strip(),
-                  cpus=__import__("os").cpu_count(), torch=torch.__version__,
+                  cpus=os.cpu_count(), load_average=dict(before=load_before, after=os.getloadavg()),
+                  torch=torch.__version__,
                   jax=__import__("jax").__version__, date=time.strftime("%Y-%m-%d"), rows=rows)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))

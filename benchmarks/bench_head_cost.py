@@ -3,15 +3,15 @@
 Issue: "time of the block sampler with the Markov head against rank 0, as a share of one target
 verification step of the same block, for block sizes 4, 8, 12, 16 (paper: +0.2% to +1.3%)".
 
-    /work/venv/bin/python benchmarks/bench_head_cost.py
+    python benchmarks/bench_head_cost.py
 
-(options: --repeats 30 --batch 1 --rank 64 --block-sizes 4 8 12 16 --context 256
+(options: --repeats 30 --batch 1 --rank 32 --block-sizes 4 8 12 16 --context 256
 --no-confidence-head --output benchmarks/results/head_cost.json)
 
 Target: the real SmolLM2-135M-Instruct (``load_target``, float32 on CPU). Drafters: randomly
 initialised from ``configs/dspark_smollm2_135m.py`` (2 draft layers, taps 1/8/14/21/27,
 confidence head) with only ``block_size`` and the head changed: ``head="markov"`` with the
-config's rank (64; ``--rank`` overrides, e.g. 256) against ``head="none"`` (rank 0, the DFlash
+config's rank (32; ``--rank`` overrides, e.g. 256) against ``head="none"`` (rank 0, the DFlash
 baseline; its confidence head then reads h_k alone). Both drafters share the init seed, so their
 backbones are identical. Weights are random: only timings are measured, which do not depend on
 the values. Every timed function is jitted, compiled and warmed up first, and each sample is one
@@ -60,7 +60,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls after compilation")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rank", type=int, default=None,
-                        help="Markov rank (default: the SmolLM2 config's, 64)")
+                        help="Markov rank (default: the SmolLM2 config's, 32)")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 12, 16])
     parser.add_argument("--context", type=int, default=256, help="tokens already in the caches")
     parser.add_argument("--no-confidence-head", action="store_true",
