@@ -145,8 +145,9 @@ def sum_counters(counters: Sequence[dict]) -> dict:
 
 
 def speculative_stats(stats, row: int) -> dict:
-    """Per-request statistics of a speculative run (:func:`stats_from_counters`)."""
-    counters = {name: np.asarray(getattr(stats, name)[row]).tolist() for name in COUNTERS}
+    """Per-request statistics of a speculative run (:func:`stats_from_counters`); ``stats`` is a
+    SpecStats of host (numpy) arrays."""
+    counters = {name: getattr(stats, name)[row].tolist() for name in COUNTERS}
     return stats_from_counters(counters)
 
 
@@ -215,7 +216,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(*dynamic))
     wall = time.perf_counter() - start
-    out_tokens, counts = np.asarray(out.tokens), np.asarray(out.num_generated)
+    out = jax.device_get(out)  # host arrays: rows are read one by one below
+    out_tokens, counts = out.tokens, out.num_generated
     total = int(counts.sum())
     results = []
     for i in range(batch):

@@ -51,6 +51,7 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert "unknown model 'no-such-model'" in err and "smollm2-135m-instruct" in err
 
 
+@pytest.mark.slow  # the real SmolLM2, three generate programs; CI runs -m slow
 def test_generate_with_an_untrained_drafter(smollm2, smollm2_cache, monkeypatch, capsys,
                                             tmp_path):
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(smollm2_cache))

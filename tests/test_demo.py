@@ -4,7 +4,11 @@ reports, and fails when the tokens differ."""
 
 import dataclasses
 
+import pytest
+
 from dspark_jax import cli, demo
+
+pytestmark = pytest.mark.slow  # the real SmolLM2 end to end, SPS profile included; CI runs -m slow
 
 
 def test_demo_runs_and_reports(smollm2, smollm2_cache, monkeypatch, capsys):

@@ -12,6 +12,8 @@ import textwrap
 import pytest
 from conftest import run_on_cpu_devices
 
+pytestmark = pytest.mark.slow  # 8 simulated devices in a subprocess; CI runs -m slow
+
 transformers = pytest.importorskip("transformers")
 
 SCRIPT = textwrap.dedent(r'''

@@ -141,9 +141,12 @@ def law_models():
 
 
 # Production's capacity comes from two rounds earlier, so in a static batch it verifies drafts
-# from round 2 on: tokens 4 and 5 (round 0 emits token 2, round 1 token 3).
+# from round 2 on: tokens 4 and 5 (round 0 emits token 2, round 1 token 3). The dense verify of
+# 20,000 rows runs 20,000 x bucket tokens: bucket 2 is affordable, bucket 4 runs at half speed,
+# so the capacity is about one draft per row, spread over the rows by current survival.
 @pytest.mark.parametrize("verify,params,positions", [
-    ("full", None, (0, 1, 2)), ("production", {"sps": [1.0] * 35001 + [0.5] * 45000}, (3, 4))])
+    ("full", None, (0, 1, 2)), ("production", {"sps": [1.0] * 40001 + [0.5] * 40000}, (3, 4))])
+@pytest.mark.slow  # chi-square over 20,000 / 8,000 sequences; CI runs -m slow
 def test_output_law_is_the_target_law(law_models, verify, params, positions):
     target, drafter = law_models
     chi2, dof, bound, verified = _law_chi2(target, drafter, 20000, verify, params, positions)
@@ -190,6 +193,7 @@ def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
     np.testing.assert_allclose(lagged[2:], conf[:-2], rtol=1e-6)
 
 
+@pytest.mark.slow  # chi-square over 20,000 / 8,000 sequences; CI runs -m slow
 def test_broken_sampler_fails_the_law_test(law_models, monkeypatch):
     target, drafter = law_models
     monkeypatch.setattr(speculative.rejection, "rejection_sample", _broken_rejection)

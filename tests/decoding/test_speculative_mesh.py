@@ -8,7 +8,11 @@ prints one JSON report.
 
 import textwrap
 
+import pytest
+
 from conftest import run_on_cpu_devices
+
+pytestmark = pytest.mark.slow  # 8 simulated devices in a subprocess; CI runs -m slow
 
 SCRIPT = textwrap.dedent(r'''
     import json

@@ -9,6 +9,8 @@ import pytest
 
 import dspark_jax
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 with the packaged drafter; CI runs -m slow
+
 DATA = Path(__file__).parents[2].parent / "shared" / "data" / "eval"
 
 

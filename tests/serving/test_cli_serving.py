@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dspark_jax import cli
 from dspark_jax.serving.engine import sampling_mode
 from dspark_jax.target import init_target
@@ -10,6 +12,7 @@ TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=40, hidden_size=32, i
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 
 
+@pytest.mark.slow  # a profile run; CI runs -m slow
 def test_profile_sps_writes_table_and_plot(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))
     init_target(TINY, seed=5).save_hf(tmp_path / "hf")

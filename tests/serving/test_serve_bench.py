@@ -21,6 +21,7 @@ QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, 
              eos_token_id=3, max_position_embeddings=512)
 
 
+@pytest.mark.slow  # profiles and serve-bench runs; CI runs -m slow
 def test_serve_bench_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))
     target = init_target(QWEN3, seed=1)
@@ -72,6 +73,7 @@ def test_serve_bench_smoke(tmp_path, monkeypatch):
                           max_new_tokens=2, repeats=0)
 
 
+@pytest.mark.slow  # profiles and serve-bench runs; CI runs -m slow
 def test_sps_cache_follows_the_step_program(tmp_path, monkeypatch):
     """A cached profile is reused only while the profiled step program is the same: a change
     to the step's code measures a new one (the stale-table trap of an upgrade)."""

@@ -4,6 +4,8 @@ and with it run for each slot alone on a drafter whose confidences depend on the
 tokens (paper Appendix A), where a new request must add nothing of its own block to the
 capacity."""
 
+import pytest
+
 import law
 from dspark_jax.serving import Engine
 
@@ -23,6 +25,7 @@ def _chi2(target, requests, positions):
     return law.chi_square([[r.tokens[i] for i in positions] for r in requests], marginal)
 
 
+@pytest.mark.slow  # chi-square over 20,000 requests; CI runs -m slow
 def test_production_scheduler_is_lossless():
     target, drafter = law.law_models()
     slots, n = 128, 20000

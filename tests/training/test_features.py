@@ -130,6 +130,7 @@ def test_loss_and_gradients_equal_online(models, cache):
                      cached_grads, grads)
 
 
+@pytest.mark.slow  # train steps on cached features; CI runs -m slow
 def test_train_step_with_cache_equals_online(models, cache):
     target, drafter = models
     data_dir, feature_dir = cache
@@ -154,6 +155,7 @@ def test_train_step_with_cache_equals_online(models, cache):
                  cached.params, online.params)
 
 
+@pytest.mark.slow  # train steps on cached features; CI runs -m slow
 def test_bfloat16_cache_is_half_size_and_close(models, cache, tmp_path):
     target, drafter = models
     data_dir, feature_dir = cache
@@ -257,6 +259,7 @@ def test_drafter_width_mismatch_in_step(models, cache):
         train_step.loss_fn(drafter.state, drafter.graphdef, target.graphdef, target.state, batch, CFG)
 
 
+@pytest.mark.slow  # train steps on cached features; CI runs -m slow
 def test_cli_and_trainer_with_cache(tmp_path):
     """`dspark-jax prepare-features` then train(): the metrics equal an online run's."""
     target = init_target(TINY, seed=1)

@@ -262,6 +262,7 @@ SHARDED_SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow  # 8 simulated devices; CI runs -m slow
 def test_sharded_steps_equal_single_device(tmp_path):
     """3 steps on (8,1,1), (2,4,1) and (2,2,2) meshes (the last with 2 micro-batches) of 8
     simulated CPU devices give the single-device losses and parameters."""

@@ -20,6 +20,8 @@ import dspark_jax
 from dspark_jax.target import init_target
 from dspark_jax.training.data import write_manifest, write_shard
 
+pytestmark = pytest.mark.slow  # training runs, kills, meshes and two processes; CI runs -m slow
+
 TARGET = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32,
               intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, eos_token_id=3)
