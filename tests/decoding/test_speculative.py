@@ -38,7 +38,7 @@ def ar_reference(qwen3):
     ("full", None, dict(head="none")),
     ("fixed", {"gamma": 2}, dict(block_size=4)),
     ("threshold", {"threshold": 0.5}, dict(head="gated")),
-    ("prefix", None, dict(head="rnn")),
+    ("prefix", {"sps": [1.0] * 25}, dict(head="rnn")),
     ("production", {"sps": [1.0] * 6 + [0.5] * 20}, dict()),
 ])
 def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_reference, verify,
