@@ -89,6 +89,14 @@ def exact_law(target, length: int = 3, prompt=PROMPT) -> np.ndarray:
     return joint
 
 
+def marginal_law(target, positions) -> np.ndarray:
+    """The target's exact law of the generated tokens at ``positions`` (0-based, increasing),
+    marginalised from :func:`exact_law` over the tokens before and between them."""
+    length = max(positions) + 1
+    joint = exact_law(target, length)
+    return joint.sum(axis=tuple(i for i in range(length) if i not in positions))
+
+
 def chi_square(samples, law: np.ndarray) -> tuple[float, int, float]:
     """(chi2, degrees of freedom, 99.9% bound) of ``samples`` (token tuples of length
     ``law.ndim``) against ``law``; cells expecting fewer than 5 are pooled."""
