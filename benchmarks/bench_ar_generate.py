@@ -1,10 +1,20 @@
-"""Greedy autoregressive decoding: dspark_jax.generate against transformers' generate.
+"""Autoregressive decoding: dspark_jax.generate against transformers' generate.
 
 Same model (SmolLM2-135M-Instruct, the weights dspark-jax converted from the GGUF, float32),
-same chat prompts (gsm8k and mt-bench from ../shared/data/eval), same machine, measured in one
-run; reported as tokens/s ratios. Compile time of the jitted loop is reported separately.
+same chat prompts, same machine, measured in one run; reported as tokens/s ratios. Compile time
+of the jitted loop is reported separately.
 
     python benchmarks/bench_ar_generate.py --max-new-tokens 96 --batches 1 8 --repeats 5
+    python benchmarks/bench_ar_generate.py --prompt-set train-math --batches 32 \
+        --modes greedy sampled --repeats 2
+
+Prompts: ``eval`` takes the first user turns of gsm8k and mt-bench (../shared/data/eval),
+``train-math`` those of the math training prompts (../shared/data/train), as data regeneration
+decodes them. Modes: ``greedy``, and ``sampled`` at the reference's data-regeneration settings
+(temperature 0.7, top-p 0.8, top-k 20; transformers' ``do_sample`` with the same warpers).
+
+The memory roofline of batch-1 decoding is measured in the same run: the parameter bytes read
+per step over this machine's read bandwidth (a jitted sum over 1 GiB of float32).
 
 The two engines alternate run by run in one process (medians reported), and the load average
 before and after is recorded: a figure from a loaded machine is not a result.
@@ -24,26 +34,60 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_prompts(data_dir: Path, count: int) -> list[str]:
-    """First user turns: half from gsm8k, half from mt-bench."""
-    def first_turns(name, n):
-        with open(data_dir / name) as f:
+SAMPLING = {"greedy": {}, "sampled": dict(temperature=0.7, top_p=0.8, top_k=20)}
+
+
+def load_prompts(data_dir: Path, prompt_set: str, count: int) -> list[str]:
+    """First user turns: half gsm8k, half mt-bench (``eval``), or math training prompts."""
+    def first_turns(path, n):
+        with open(path) as f:
             return [json.loads(line)["turns"][0] for line, _ in zip(f, range(n))]
 
+    if prompt_set == "train-math":
+        return first_turns(data_dir / "train" / "math_prompts.jsonl", count)
     half = (count + 1) // 2
-    return first_turns("gsm8k.jsonl", half) + first_turns("mt-bench.jsonl", count - half)
+    return (first_turns(data_dir / "eval" / "gsm8k.jsonl", half)
+            + first_turns(data_dir / "eval" / "mt-bench.jsonl", count - half))
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a jitted sum over 1 GiB of float32 (best of 5)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
+
+
+def count_new_tokens(generated, eos: set[int]) -> int:
+    """New tokens per row up to and including the first EOS, summed."""
+    count = 0
+    for row in generated:
+        hits = [i for i, t in enumerate(row) if t in eos]
+        count += hits[0] + 1 if hits else len(row)
+    return count
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data" / "eval")
+    parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--prompt-set", choices=["eval", "train-math"], default="eval")
+    parser.add_argument("--modes", nargs="+", choices=list(SAMPLING), default=["greedy"])
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "ar_generate.json")
     args = parser.parse_args()
 
+    import jax
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -54,46 +98,57 @@ def main():
     target = dspark_jax.load_target(args.model)
     hf_folder = registry.converted_folder(args.model) if args.model in registry.REGISTRY else args.model
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32).eval()
-    prompts = load_prompts(args.data_dir, max(args.batches))
+    prompts = load_prompts(args.data_dir, args.prompt_set, max(args.batches))
     encoded = encode_prompts(target, prompts)
     pad = target.tokenizer.pad_token_id
+    eos = set(target.eos_token_ids)
 
     load_before = os.getloadavg()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.state))
+    bandwidth = read_bandwidth()
+    roofline = bandwidth / weight_bytes
+    print(f"parameters {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: "
+          f"batch-1 memory roofline {roofline:.1f} tokens/s")
     rows = []
     for batch in args.batches:
         ids = encoded[:batch]
-        # dspark-jax: the first call compiles (timed separately), then timed runs.
-        first = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens)
-        compile_s = first[0].stats["compile_s"]
         width = max(len(p) for p in ids)
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
-        ours, theirs = [], []
-        with torch.no_grad():
-            hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-            for _ in range(args.repeats):  # the two alternate, so both see the same machine
-                res = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens)
-                ours.append(res[0].stats["tokens_per_s"])
-                start = time.perf_counter()
-                out = hf_model.generate(input_ids, attention_mask=mask, do_sample=False,
-                                        max_new_tokens=args.max_new_tokens, pad_token_id=pad)
-                wall = time.perf_counter() - start
-                gen = out[:, width:].numpy()
-                eos = set(target.eos_token_ids)
-                count = 0
-                for row in gen:
-                    hits = [i for i, t in enumerate(row) if t in eos]
-                    count += hits[0] + 1 if hits else len(row)
-                theirs.append(count / wall)
-        row = dict(batch=batch, dspark_tokens_per_s=statistics.median(ours),
-                   hf_tokens_per_s=statistics.median(theirs), compile_s=compile_s)
-        row["ratio"] = row["dspark_tokens_per_s"] / row["hf_tokens_per_s"]
-        rows.append(row)
-        print(f"batch {batch}: dspark-jax {row['dspark_tokens_per_s']:.1f} tok/s, transformers "
-              f"{row['hf_tokens_per_s']:.1f} tok/s, ratio {row['ratio']:.2f}x, compile {compile_s:.1f} s")
+        for mode in args.modes:
+            settings = SAMPLING[mode]
+            hf_settings = (dict(do_sample=True, **settings) if settings else dict(do_sample=False))
+            # dspark-jax: the first call compiles (timed separately), then timed runs.
+            first = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens, **settings)
+            compile_s = first[0].stats["compile_s"]
+            ours, theirs = [], []
+            with torch.no_grad():
+                hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=4, pad_token_id=pad,
+                                  **hf_settings)
+                for repeat in range(args.repeats):  # the two alternate: both see the same machine
+                    res = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens,
+                                              seed=repeat, **settings)
+                    ours.append(res[0].stats["tokens_per_s"])
+                    torch.manual_seed(repeat)
+                    start = time.perf_counter()
+                    out = hf_model.generate(input_ids, attention_mask=mask, pad_token_id=pad,
+                                            max_new_tokens=args.max_new_tokens, **hf_settings)
+                    wall = time.perf_counter() - start
+                    theirs.append(count_new_tokens(out[:, width:].numpy(), eos) / wall)
+            row = dict(batch=batch, mode=mode, dspark_tokens_per_s=statistics.median(ours),
+                       hf_tokens_per_s=statistics.median(theirs), compile_s=compile_s)
+            row["ratio"] = row["dspark_tokens_per_s"] / row["hf_tokens_per_s"]
+            if batch == 1 and mode == "greedy":
+                row["fraction_of_roofline"] = row["dspark_tokens_per_s"] / roofline
+            rows.append(row)
+            print(f"batch {batch} {mode}: dspark-jax {row['dspark_tokens_per_s']:.1f} tok/s, "
+                  f"transformers {row['hf_tokens_per_s']:.1f} tok/s, ratio {row['ratio']:.2f}x, "
+                  f"compile {compile_s:.1f} s", flush=True)
 
     report = dict(benchmark="ar_generate", model=args.model, max_new_tokens=args.max_new_tokens,
-                  repeats=args.repeats, machine=f"{platform.machine()} {platform.processor()}".strip(),
+                  repeats=args.repeats, prompt_set=args.prompt_set, sampling=SAMPLING,
+                  parameter_bytes=weight_bytes, read_bandwidth_gb_s=bandwidth / 1e9,
+                  roofline_tokens_per_s=roofline, machine=f"{platform.machine()} {platform.processor()}".strip(),
                   cpus=os.cpu_count(), load_average=dict(before=load_before, after=os.getloadavg()),
                   torch=torch.__version__,
                   jax=__import__("jax").__version__, date=time.strftime("%Y-%m-%d"), rows=rows)

@@ -69,26 +69,54 @@ def sampling_probs(
     return jax.lax.cond(jnp.all(greedy), lambda: point_mass, processed)
 
 
+TRUNCATION_CANDIDATES = 64  # the static top-k of the exact fast truncation path
+
+
 def _truncate(probs: jax.Array, top_p, top_k) -> jax.Array:
-    """Top-k then top-p truncation of probability rows [..., V], renormalised."""
-    ndim = probs.ndim
-    # One descending sort serves both rules: a token is kept when its probability is at least
-    # the cutoff probability of each active rule.
-    sorted_probs = -jnp.sort(-probs, axis=-1)
-    vocab = probs.shape[-1]
+    """Top-k then top-p truncation of probability rows [..., V], renormalised.
+
+    A token is kept when its probability reaches the cutoff of each active rule. As in
+    transformers and vLLM, the nucleus is taken on the top-k renormalised row: the shortest
+    prefix of the descending row whose mass reaches top_p (the exclusive cumsum < top_p marks
+    every member); ties with the smallest kept probability are kept too.
+
+    Both cutoffs depend only on the ``TRUNCATION_CANDIDATES`` largest probabilities whenever
+    every row has ``top_k`` in 1..TRUNCATION_CANDIDATES, or no top-k and a nucleus inside them,
+    or no truncation at all. Such batches (the reference's top-k 20, for one) take the cutoffs
+    from ``lax.top_k`` instead of sorting the whole vocabulary; others sort. Same rows either
+    way: see tests/decoding/test_truncation.py.
+    """
+    ndim, vocab = probs.ndim, probs.shape[-1]
     k = _expand(top_k, ndim, jnp.int32)
     k = jnp.where(k <= 0, vocab, jnp.minimum(k, vocab))
-    kth = jnp.take_along_axis(sorted_probs, k - 1, axis=-1)
     p = _expand(top_p, ndim)
-    # As in transformers and vLLM, the nucleus is taken on the top-k renormalised row: the
-    # shortest prefix whose mass reaches top_p (the exclusive cumsum < top_p marks every member).
-    in_top_k = jnp.where(sorted_probs >= kth, sorted_probs, 0.0)
-    in_top_k = in_top_k / jnp.sum(in_top_k, axis=-1, keepdims=True)
-    exclusive = jnp.cumsum(in_top_k, axis=-1) - in_top_k
-    n_keep = jnp.maximum(jnp.sum(exclusive < p, axis=-1, keepdims=True), 1)
-    nucleus_min = jnp.take_along_axis(sorted_probs, n_keep - 1, axis=-1)
-    cutoff = jnp.maximum(kth, jnp.where(p >= 1.0, 0.0, nucleus_min))
-    probs = jnp.where(probs >= cutoff, probs, 0.0)
+    num = min(TRUNCATION_CANDIDATES, vocab)
+    # [..., num] descending. The barrier keeps XLA:CPU's top-k kernel: when the branch predicate
+    # below is fused with the top-k, the compiler lowers it to a full sort instead.
+    candidates = jax.lax.optimization_barrier(jax.lax.top_k(probs, num)[0])
+    # Rows without top-k keep every token of probability >= 0; their kth is 0.
+    kth = jnp.where(k <= num, jnp.take_along_axis(candidates, jnp.minimum(k, num) - 1, axis=-1), 0.0)
+    # The nucleus ends before the last candidate (a margin of one token against rounding).
+    nucleus_inside = (jnp.sum(candidates[..., :-1], axis=-1, keepdims=True)
+                      >= p * jnp.sum(probs, axis=-1, keepdims=True))
+    exact = (k <= num) | ((k == vocab) & ((p >= 1.0) | nucleus_inside))
+
+    def cutoff(sorted_probs, kth):
+        """The cutoff probability [..., 1] from a descending prefix of each row (at least the
+        top-k tokens and the nucleus) and its kth largest probability [..., 1]."""
+        mass = jnp.sum(jnp.where(probs >= kth, probs, 0.0), axis=-1, keepdims=True)  # top-k mass
+        in_top_k = jnp.where(sorted_probs >= kth, sorted_probs, 0.0) / mass
+        exclusive = jnp.cumsum(in_top_k, axis=-1) - in_top_k
+        n_keep = jnp.maximum(jnp.sum(exclusive < p, axis=-1, keepdims=True), 1)
+        nucleus_min = jnp.take_along_axis(sorted_probs, n_keep - 1, axis=-1)
+        return jnp.maximum(kth, jnp.where(p >= 1.0, 0.0, nucleus_min))
+
+    def from_sort():
+        sorted_probs = -jnp.sort(-probs, axis=-1)
+        return cutoff(sorted_probs, jnp.take_along_axis(sorted_probs, k - 1, axis=-1))
+
+    cut = jax.lax.cond(jnp.all(exact), lambda: cutoff(candidates, kth), from_sort)
+    probs = jnp.where(probs >= cut, probs, 0.0)
     return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 

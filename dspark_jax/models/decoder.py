@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, rope_cos_sin,
-                                      rope_frequencies)
+from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, attend_cached,
+                                      rope_cos_sin, rope_frequencies)
 
 
 class DecoderOutput(NamedTuple):
@@ -125,10 +125,10 @@ class Decoder(nnx.Module):
         cos, sin = self.rope(positions)
         if mask is None:
             mask = causal_mask(positions, positions, key_valid)
+        committed = None
         if cache is not None:
             committed = jnp.arange(cache.num_slots)[None, None, :] < positions[:, :1, None]
             committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
-            mask = jnp.concatenate([committed, mask], axis=-1)
 
         requested = tuple(tap_layer_ids)
         tap_layer_ids = tuple(dict.fromkeys(requested))  # a layer fills one slot: dedupe
@@ -150,11 +150,12 @@ class Decoder(nnx.Module):
             x = layer.input_layernorm(h)
             q = layer.self_attn.queries(x, cos, sin)
             k_new, v_new = layer.self_attn.keys_values(x, cos, sin)
-            k, v = k_new, v_new
-            if k_cache is not None:
-                k = jnp.concatenate([k_cache.astype(k.dtype), k], axis=1)
-                v = jnp.concatenate([v_cache.astype(v.dtype), v], axis=1)
-            h = h + layer.self_attn.output(attend(q, k, v, mask))
+            if k_cache is None:
+                attended = attend(q, k_new, v_new, mask)
+            else:
+                attended = attend_cached(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
+                                         committed, k_new, v_new, mask)
+            h = h + layer.self_attn.output(attended)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if taps is not None:
                 slot = tap_slot[index]

@@ -4,6 +4,11 @@ Slot ``s`` of a row holds the keys and values of the token at position ``s`` of 
 cache needs no length field for attention: a query at position p sees slots 0..p, which are
 always committed tokens. Rolling back after a rejected draft is therefore free; the next write
 at the committed length overwrites the stale slots (as in levanter's speculative loop).
+
+The layout is [layers, rows, kv heads, slots, head dim]: each (row, head) holds its slots as one
+contiguous [S, D] matrix, the operand layout of the attention's batched matmuls, so XLA reads
+the cache in place instead of first copying it into a transposed layout (on CPU that copy took
+about a sixth of a decode step: benchmarks/profile_decode.py, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dspark_jax import sharding
 
 @struct.dataclass
 class KVCache:
-    """k, v: [L, B, S, K, D] for L layers, B rows, S slots, K kv heads, D head dim."""
+    """k, v: [L, B, K, S, D] for L layers, B rows, K kv heads, S slots, D head dim."""
 
     k: jax.Array
     v: jax.Array
@@ -28,37 +33,48 @@ class KVCache:
         """An empty cache, laid out by :meth:`constrain`.
 
         k and v are separate buffers, so the cache can be donated to a jitted function."""
-        shape = (num_layers, batch, slots, kv_heads, head_dim)
+        shape = (num_layers, batch, kv_heads, slots, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)).constrain()
 
     def constrain(self) -> "KVCache":
         """Inside jit under a mesh: rows sharded over the data axes, kv heads over the tensor
         axis (a no-op without a mesh)."""
-        names = (None, "batch", None, "kv_heads", None)
+        names = (None, "batch", "kv_heads", None, None)
         return KVCache(sharding.constrain(self.k, names), sharding.constrain(self.v, names))
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> "KVCache":
-        """Scatters new entries of every layer: k_new, v_new [L, B, T, K, D] at slots
-        ``positions`` int [B, T] (positions >= S are dropped); in place inside a loop carry."""
+        """Scatters new entries of every layer: k_new, v_new [L, B, T, K, D] (token-major, as
+        the layers compute them) at slots ``positions`` int [B, T] (positions >= S are dropped);
+        in place inside a loop carry."""
         rows = jnp.arange(positions.shape[0])[:, None]
-        return KVCache(self.k.at[:, rows, positions].set(k_new.astype(self.k.dtype), mode="drop"),
-                       self.v.at[:, rows, positions].set(v_new.astype(self.v.dtype), mode="drop"))
+
+        def put(cache, new):  # the indexed dims [B, T] lead the update: [B, T, L, K, D]
+            return cache.at[:, rows, :, positions].set(
+                jnp.moveaxis(new, 0, 2).astype(cache.dtype), mode="drop")
+
+        return KVCache(put(self.k, k_new), put(self.v, v_new))
+
+    def place_row(self, k_new: jax.Array, v_new: jax.Array, row) -> "KVCache":
+        """Writes a row's first T slots: k_new, v_new [L, 1, T, K, D] into row ``row`` (traced)."""
+        corner = (0, row, 0, 0, 0)
+        return KVCache(*(jax.lax.dynamic_update_slice(full, new.swapaxes(2, 3).astype(full.dtype), corner)
+                         for full, new in ((self.k, k_new), (self.v, v_new))))
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Scatters new entries into one layer of the cache.
 
     Args:
-      cache_layer: [B, S, K, D].
+      cache_layer: [B, K, S, D].
       new: [B, T, K, D], the entries of the tokens at ``positions``.
       positions: int [B, T], slot of each new token (positions >= S are dropped).
 
     Returns:
-      [B, S, K, D] updated.
+      [B, K, S, D] updated.
     """
     rows = jnp.arange(new.shape[0])[:, None]
-    return cache_layer.at[rows, positions].set(new.astype(cache_layer.dtype), mode="drop")
+    return cache_layer.at[rows, :, positions].set(new.astype(cache_layer.dtype), mode="drop")

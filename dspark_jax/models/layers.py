@@ -10,6 +10,7 @@ D head dim, d hidden size, I MLP width.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -205,6 +206,47 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return out.reshape(b, t, h, d)
 
 
+def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_visible: jax.Array,
+                  k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array) -> jax.Array:
+    """Attention of new tokens over a KV cache and over each other, without concatenating them.
+
+    The same result as :func:`attend` over keys [cache slots; new tokens] with the mask
+    [cache_visible, new_visible], as one softmax in two parts: the cache is read in place in its
+    [K, S, D] layout (no copy of it per layer) and the new tokens' part is T x T.
+
+    Args:
+      q: [B, T, H, D] queries of the new tokens.
+      k_cache, v_cache: [B, K, S, D] one layer of the cache (kv_cache.py layout).
+      cache_visible: bool [B, T, S], True where query t may see slot s.
+      k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
+
+    Returns:
+      [B, T, H, D]; a query with no visible key gets zeros.
+    """
+    b, t, h, d = q.shape
+    kv = k_cache.shape[1]
+    g = h // kv
+    # Rows of one kv head: its G query heads for each new token, q index = t * G + g.
+    qg = q.reshape(b, t, kv, g, d).swapaxes(1, 2).reshape(b, kv, t * g, d)
+    k_own, v_own = k_new.swapaxes(1, 2), v_new.swapaxes(1, 2)  # [B, K, T, D]
+    parts = [(k_cache, v_cache, cache_visible)] if k_cache.shape[2] else []
+    parts.append((k_own, v_own, new_visible))
+    scores = []
+    for keys, _, visible in parts:
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32) * (d ** -0.5)
+        s = s.reshape(b, kv, t, g, -1)
+        scores.append(jnp.where(visible[:, None, :, None, :], s, -jnp.inf))
+    peak = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = [jnp.exp(s - peak) for s in scores]  # masked entries are exp(-inf) = 0
+    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    out = sum(jnp.einsum("bkqs,bksd->bkqd", (w / denom).reshape(b, kv, t * g, -1).astype(values.dtype),
+                         values)
+              for w, (_, values, _) in zip(weights, parts))
+    return out.reshape(b, kv, t, g, d).swapaxes(1, 2).reshape(b, t, h, d)
+
+
 def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
                      k_block: jax.Array, v_block: jax.Array, block_keep: jax.Array, *,
                      block_size: int) -> jax.Array:
@@ -216,7 +258,7 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
 
     Args:
       q: [B, T, H, D] queries of T = n * block_size block tokens (block j = rows j*bs..).
-      k_ctx, v_ctx: [B, S, K, D] context keys / values; ctx_mask: bool [B, T, S].
+      k_ctx, v_ctx: [B, K, S, D] context keys / values (the cache layout); ctx_mask: bool [B, T, S].
       k_block, v_block: [B, T, K, D] the blocks' own keys / values.
       block_keep: bool [B, T]; False: the query sees no key of its block (a dummy block).
       block_size: tokens per block.
@@ -225,11 +267,11 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
       [B, T, H, D]; a query with no visible key gets zeros.
     """
     b, t, h, d = q.shape
-    kv = k_ctx.shape[2]
+    kv = k_ctx.shape[1]
     g, n = h // kv, t // block_size
     scale = d ** -0.5
     qg = q.reshape(b, t, kv, g, d)
-    s_ctx = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx,
+    s_ctx = jnp.einsum("btkgd,bksd->bkgts", qg, k_ctx,
                        preferred_element_type=jnp.float32) * scale  # [B, K, G, T, S]
     s_blk = jnp.einsum("bnikgd,bnjkd->bkgnij", qg.reshape(b, n, block_size, kv, g, d),
                        k_block.reshape(b, n, block_size, kv, d),
@@ -245,7 +287,7 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
     w_blk = jnp.where(vis_blk, jnp.exp(s_blk - peak), 0.0)
     denom = jnp.sum(w_ctx, axis=-1, keepdims=True) + jnp.sum(w_blk, axis=-1, keepdims=True)
     denom = jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx)
+    out = jnp.einsum("bkgts,bksd->btkgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx)
     w_blk = (w_blk / denom).astype(v_block.dtype).reshape(b, kv, g, n, block_size, block_size)
     out_blk = jnp.einsum("bkgnij,bnjkd->bnikgd", w_blk, v_block.reshape(b, n, block_size, kv, d))
     return (out + out_blk.reshape(b, t, kv, g, d)).reshape(b, t, h, d)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from dspark_jax.models.decoder import Decoder
 from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.layers import attend
+from dspark_jax.models.layers import attend_cached
 
 
 class RaggedOutput(NamedTuple):
@@ -53,24 +53,24 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       rows: int [T] cache row of each token (>= S marks padding: it sees and writes nothing).
       cols: int [T] column of each token within its row, in 0..width-1.
       starts: int [S] committed length of each row: a new token sees cache slots < starts[row].
-      cache: k/v [L, S, N, K, D], only read (the new entries come back in the grid layout).
+      cache: k/v [L, S, K, N, D], only read (the new entries come back in the grid layout).
       width: Q, the static number of columns of the grid.
       tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
 
     Returns:
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
     """
-    num_rows, num_slots = cache.k.shape[1], cache.k.shape[2]
+    num_rows, num_slots = cache.k.shape[1], cache.num_slots
     num_layers = model.cfg.num_hidden_layers
     for layer_id in tap_layer_ids:
         if not -1 <= layer_id < num_layers:
             raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
     h = model.embed(tokens[None])  # [1, T, d]
     cos, sin = model.rope(positions[None])
-    cached = jnp.arange(num_slots)[None, None, :] < starts[:, None, None]
-    causal = jnp.arange(width)[None, :] <= jnp.arange(width)[:, None]
-    mask = jnp.concatenate([jnp.broadcast_to(cached, (num_rows, width, num_slots)),
-                            jnp.broadcast_to(causal, (num_rows, width, width))], axis=-1)
+    cached = jnp.broadcast_to(jnp.arange(num_slots)[None, None, :] < starts[:, None, None],
+                              (num_rows, width, num_slots))
+    causal = jnp.broadcast_to(jnp.arange(width)[None, :] <= jnp.arange(width)[:, None],
+                              (num_rows, width, width))
     tap_ids = jnp.asarray(tap_layer_ids, jnp.int32)
     taps = None
     if tap_layer_ids:
@@ -89,9 +89,9 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos, sin))
         k_grid = _to_grid(k_new, rows, cols, num_rows, width)
         v_grid = _to_grid(v_new, rows, cols, num_rows, width)
-        k = jnp.concatenate([k_cache.astype(k_new.dtype), k_grid], axis=1)
-        v = jnp.concatenate([v_cache.astype(v_new.dtype), v_grid], axis=1)
-        out = attend(_to_grid(q, rows, cols, num_rows, width), k, v, mask)[safe_rows, cols]
+        out = attend_cached(_to_grid(q, rows, cols, num_rows, width), k_cache.astype(k_new.dtype),
+                            v_cache.astype(v_new.dtype), cached, k_grid, v_grid,
+                            causal)[safe_rows, cols]
         h = h + attn.output(out[None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if taps is not None:

@@ -74,8 +74,8 @@ class Slots:
 
 @struct.dataclass
 class Caches:
-    target: KVCache  # k/v [L, S, N, K, D]
-    drafter: KVCache  # k/v [L_draft, S, N, K, D]
+    target: KVCache  # k/v [L, S, K, N, D]
+    drafter: KVCache  # k/v [L_draft, S, K, N, D]
 
 
 def laid_out(slots: Slots, caches: Caches) -> tuple[Slots, Caches]:
@@ -161,9 +161,7 @@ def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State, drafter_graphd
                                caches.target.k.dtype)
     out = target(request.tokens[None], positions, cache=no_history,
                  tap_layer_ids=tuple(drafter.cfg.target_layer_ids), write_cache=False)
-    corner = (0, slot, 0, 0, 0)
-    t_cache = KVCache(*(jax.lax.dynamic_update_slice(full, new.astype(full.dtype), corner)
-                        for full, new in zip((caches.target.k, caches.target.v), out.new_kv)))
+    t_cache = caches.target.place_row(*out.new_kv, slot)
 
     params = SamplingParams(request.temperature[None], request.top_p[None], request.top_k[None])
     k_first, k_draft = jax.random.split(jax.random.fold_in(request.key, request.request_id))
@@ -172,6 +170,7 @@ def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State, drafter_graphd
     row = drafter.init_cache(1, caches.drafter.num_slots, caches.drafter.k.dtype)
     drafted = drafter.draft(target, ctx_taps=out.taps, ctx_positions=positions, cache=row,
                             anchor_tokens=first, anchor_positions=request.length[None])
+    corner = (0, slot, 0, 0, 0)  # the row's whole draft cache
     d_cache = KVCache(*(jax.lax.dynamic_update_slice(full, new, corner) for full, new in
                         zip((caches.drafter.k, caches.drafter.v),
                             (drafted.cache.k, drafted.cache.v))))

@@ -38,6 +38,8 @@ from dspark_jax.checkpoints import registry  # noqa: E402
 from dspark_jax.checkpoints.gguf import GGUFFile  # noqa: E402
 from dspark_jax.generation import chat_ids  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 GGUF against transformers' GGUF loader
+
 EXTRA_TEXTS = [
     "Hello, world! 12345 + 678 = 13023.",
     "  leading spaces,\ttabs\nand\n\nnewlines   ",

@@ -36,9 +36,10 @@ def ar_reference(qwen3):
 # Every verification policy and every drafter head, each pair one compiled program.
 @pytest.mark.parametrize("verify,params,overrides", [
     ("full", None, dict(head="none")),
-    ("fixed", {"gamma": 2}, dict(block_size=4)),
-    ("threshold", {"threshold": 0.5}, dict(head="gated")),
-    ("prefix", {"sps": [1.0] * 25}, dict(head="rnn")),
+    # The other heads' block samplers are checked in the default run (test_block_sampler.py).
+    pytest.param("fixed", {"gamma": 2}, dict(block_size=4), marks=pytest.mark.slow),
+    pytest.param("threshold", {"threshold": 0.5}, dict(head="gated"), marks=pytest.mark.slow),
+    pytest.param("prefix", {"sps": [1.0] * 25}, dict(head="rnn"), marks=pytest.mark.slow),
     ("production", {"sps": [1.0] * 6 + [0.5] * 20}, dict()),
 ])
 def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_reference, verify,
@@ -57,6 +58,7 @@ def test_greedy_llama_target():
     assert [r.token_ids for r in sp] == [r.token_ids for r in ar]
 
 
+@pytest.mark.slow  # four programs; test_generation.py checks the same for autoregressive rows
 def test_mixed_lengths_batch_equals_each_alone(qwen3):
     drafter = dspark_jax.init_drafter(qwen3, seed=2)
     batched = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=20, drafter=drafter)
@@ -153,6 +155,7 @@ def test_output_law_is_the_target_law(law_models, verify, params, positions):
     assert verified > 0.3, verified  # drafts were verified
 
 
+@pytest.mark.slow  # a chi-square law test over many sequences
 def test_production_is_lossless_for_a_lone_request_with_token_dependent_confidence():
     """Appendix A: with c_2 depending on the drafted x_1, a capacity searched over the current
     block verifies x_1 only when x_1 is even, which biases t2. The production scheduler, run

@@ -7,6 +7,8 @@ import dspark_jax
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.target import init_target
 
+pytestmark = pytest.mark.slow  # recorded runs of the whole engine, one program per temperature
+
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32,
               intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, eos_token_id=3, max_position_embeddings=512)

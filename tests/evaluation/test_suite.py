@@ -63,6 +63,7 @@ def test_plan_batches():
         suite.plan_batches(lengths, 2, max_batch_tokens=0)
 
 
+@pytest.mark.slow  # the whole eval loop over two batch plans
 @pytest.mark.parametrize("max_batch_tokens", [None, 2 * prompt_bucket(1)])
 def test_report_equals_the_statistics_of_generate(pair, max_batch_tokens):
     target, drafter = pair
@@ -140,6 +141,7 @@ def test_params_sha256_names_every_leaf(pair):
         assert suite.params_sha256(changed) != suite.params_sha256(tree)
 
 
+@pytest.mark.slow  # three eval runs
 def test_resume_redoes_results_of_another_drafter_or_target(pair, tmp_path, monkeypatch,
                                                             capsys):
     """A finished result is reused only for the same drafter and target parameters; results of

@@ -1,10 +1,14 @@
-"""Query-chunked attention (long prefills) equals attention over all queries at once."""
+"""Query-chunked attention (long prefills) equals attention over all queries at once, and the
+two-part attention over a KV cache equals attention over the concatenated keys."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.layers import attend
+import pytest
+
+from dspark_jax.models.kv_cache import KVCache, write_layer
+from dspark_jax.models.layers import attend, attend_cached
 
 
 def test_query_chunks_equal_one_pass():
@@ -25,3 +29,42 @@ def test_query_chunks_equal_one_pass():
     hlo = jax.jit(lambda *a: attend(*a, query_chunk=8)).lower(q, k, v, mask).as_text()
     assert "2x2x3x32x40xf32" in whole_hlo
     assert "2x2x3x8x40xf32" in hlo and "2x2x3x32x40xf32" not in hlo
+
+
+@pytest.mark.parametrize("slots", [0, 11])
+def test_cached_attention_equals_attention_over_the_concatenation(slots):
+    """New tokens over [cache; themselves] in the cache layout [B, K, S, D], without a concat."""
+    rng = np.random.default_rng(1)
+    b, t, h, kv, d = 3, 4, 6, 2, 8
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(b, kv, slots, d)), jnp.float32) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
+    cache_visible = rng.random((b, t, slots)) < 0.5
+    new_visible = np.tril(np.ones((t, t), bool)) & (rng.random((b, t, t)) < 0.8)
+    new_visible[1, 2] = False
+    cache_visible[1, 2] = False  # a query that sees nothing gets zeros
+    got = jax.jit(attend_cached)(q, k_cache, v_cache, jnp.asarray(cache_visible), k_new, v_new,
+                                 jnp.asarray(new_visible))
+    keys = jnp.concatenate([k_cache.swapaxes(1, 2), k_new], axis=1)
+    values = jnp.concatenate([v_cache.swapaxes(1, 2), v_new], axis=1)
+    want = attend(q, keys, values, jnp.asarray(np.concatenate([cache_visible, new_visible], -1)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[1, 2] == 0)
+
+
+def test_cache_writes_land_in_the_head_major_layout():
+    """KVCache.write and write_layer put token t of row b at [.., b, :, position, :]."""
+    layers, b, slots, kv, d, t = 2, 3, 9, 2, 4, 2
+    cache = KVCache.zeros(layers, b, slots, kv, d, jnp.float32)
+    assert cache.k.shape == (layers, b, kv, slots, d) and cache.num_slots == slots
+    new = jnp.arange(layers * b * t * kv * d, dtype=jnp.float32).reshape(layers, b, t, kv, d) + 1
+    positions = jnp.asarray([[0, 1], [4, 5], [8, 9]])  # slot 9 is past the end: dropped
+    written = cache.write(new, -new, positions)
+    for row, slots_of_row in enumerate(np.asarray(positions)):
+        for col, slot in enumerate(slots_of_row):
+            if slot < slots:
+                np.testing.assert_array_equal(written.k[:, row, :, slot], new[:, row, col])
+                np.testing.assert_array_equal(written.v[:, row, :, slot], -new[:, row, col])
+    assert float(jnp.abs(written.k).sum()) == float(jnp.abs(new).sum() - jnp.abs(new[:, 2, 1]).sum())
+    layer = write_layer(cache.k[0], new[0], positions)
+    np.testing.assert_array_equal(layer, written.k[0])

@@ -42,6 +42,7 @@ def test_production_scheduler_is_lossless():
         assert chi2 < bound, (positions, chi2, dof)
 
 
+@pytest.mark.slow  # a chi-square law test over many sequences
 def test_new_requests_add_nothing_of_their_block_to_the_capacity():
     """Production per slot with token-dependent confidences: a newly admitted request sized
     from its own first block would verify x_1 only when x_1 is even and bias t2."""

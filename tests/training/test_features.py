@@ -116,6 +116,7 @@ def test_packed_batches_carry_the_online_features(models, cache):
         assert not batch["taps"][~real[..., 0]].any()
 
 
+@pytest.mark.slow  # online and cached gradients, two programs
 def test_loss_and_gradients_equal_online(models, cache):
     target, drafter = models
     data_dir, feature_dir = cache

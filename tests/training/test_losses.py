@@ -114,6 +114,7 @@ def model_case():
     return target, drafter, ids, loss_mask, anchors, keep
 
 
+@pytest.mark.slow  # gradients at three chunk sizes
 def test_chunked_loss_equals_unchunked(model_case):
     """Chunks of 1, 3 and N anchors give the same sums and gradients (w.r.t. the drafter and its
     hidden states) as the full [b, N, B, V] logits."""

@@ -175,6 +175,7 @@ def step_setup(models):
     return batch, optimizer, mesh, steps
 
 
+@pytest.mark.slow  # two train-step programs
 def test_gradient_accumulation_equals_one_batch(models, step_setup):
     target, drafter = models
     batch, optimizer, mesh, steps = step_setup

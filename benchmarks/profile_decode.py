@@ -1,0 +1,89 @@
+"""Where a decode step's time goes: XLA:CPU's own per-operation profile of ``generate``.
+
+Runs ``dspark_jax.generate`` (greedy or sampled) once to compile, then once under
+``jax.profiler`` with XLA:CPU's trace annotations, and prints the operations of the compiled
+program by total time per decode step, each with its output shape from the compiled HLO:
+
+    python benchmarks/profile_decode.py --batch 1 --max-new-tokens 64
+    python benchmarks/profile_decode.py --batch 32 --temperature 0.7 --top-p 0.8 --top-k 20
+
+``--group`` adds up operations that differ only in their numeric suffix (the prefill's and the
+loop's copies of one fusion; the shape shown is then that of one of them). The trace and the
+HLO are kept under ``--workdir``. The prefill runs in the same program, so its operations are
+in the table too, spread over the decode steps: use many ``--max-new-tokens`` to dilute it.
+This is a diagnostic for reading the HLO, not a benchmark: the trace annotations themselves
+cost a little, so time figures for BENCHMARKS.md come from bench_ar_generate.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+from pathlib import Path
+
+# XLA:CPU emits per-thunk trace events only with this flag, read when the backend starts.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=200, help="tokens per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--group", action="store_true", help="sum ops that differ by suffix")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/dspark_profile"))
+    args = parser.parse_args()
+
+    import jax
+
+    import dspark_jax
+    from dspark_jax import generation
+
+    target = dspark_jax.load_target(args.model)
+    prompts = [[(17 + 31 * row + i) % 1000 + 10 for i in range(args.prompt_len)]
+               for row in range(args.batch)]
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+              top_p=args.top_p, top_k=args.top_k)
+    dspark_jax.generate(target, prompts, **kw)  # compile
+
+    trace_dir = args.workdir / "trace"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        results = dspark_jax.generate(target, prompts, **kw)
+    steps = max(1, results[0].stats["steps"])
+
+    # The decode program's compiled HLO (the only program compiled here), for output shapes.
+    (compiled,) = generation._PROGRAMS._cache.values()
+    hlo = compiled.as_text()
+    (args.workdir / "decode.hlo").write_text(hlo)
+    shapes = dict(re.findall(r"%(\S+) = (\S+) ", hlo))
+
+    path = sorted(trace_dir.glob("**/*.trace.json.gz"), key=os.path.getmtime)[-1]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    total, count = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.get("ph") != "X" or event["name"].startswith(("$", "end:", "ThunkExecutor")):
+            continue
+        name = re.sub(r"\.\d+$", "", event["name"]) if args.group else event["name"]
+        total[name] += event.get("dur", 0)
+        count[name] += 1
+    print(f"batch {args.batch}, prompt {args.prompt_len}, {steps} decode steps; ms per step "
+          "(the prefill's operations included, spread over the steps):")
+    for name, micros in total.most_common(args.top):
+        print(f"{micros / steps / 1e3:9.2f}  {count[name] / steps:6.1f}x  {name:42s} {shapes.get(name, '')}")
+    print(f"trace: {path}\nHLO: {args.workdir / 'decode.hlo'}")
+
+
+if __name__ == "__main__":
+    main()
