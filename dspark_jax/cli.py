@@ -183,7 +183,8 @@ def cmd_prepare_data(args) -> int:
                             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             max_length=args.max_length, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            min_loss_tokens=args.min_loss_tokens, shard_size=args.shard_size)
+                            min_loss_tokens=args.min_loss_tokens, shard_size=args.shard_size,
+                            select=args.select)
     print(f"{manifest['num_samples']} samples ({manifest['num_loss_tokens']} loss tokens) in "
           f"{len(manifest['files'])} shard(s) under {args.output}; dropped {manifest['dropped']}")
     return 0
@@ -376,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--min-loss-tokens", type=int, default=14)
     prep.add_argument("--shard-size", type=int, default=1024, help="prompts per shard")
+    prep.add_argument("--select", choices=("code", "chat"),
+                      help="only the prompts that ask for code, or only the others")
     prep.add_argument("--dtype", choices=DTYPES, default="auto")
     prep.set_defaults(func=cmd_prepare_data)
 

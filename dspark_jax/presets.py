@@ -21,7 +21,13 @@ QWEN3_DSPARK_DRAFTER = dict(
 DFLASH_DRAFTER_CHANGES = dict(markov_rank=0, head="none", confidence_head=False,
                               confidence_head_with_markov=False)
 
+# The recipe fields (dspark_jax/training/recipe.py) at the reference's values: N(0, 0.02) Markov
+# factors, draft layers from init, one learning rate for every parameter.
+RECIPE_REFERENCE = dict(markov_init="reference", markov_w1_scale=1.0, markov_scale=1.0,
+                        bigram_smoothing=1.0, draft_layers_from=(), lr_multipliers=())
+
 DSPARK_TRAIN = dict(
+    RECIPE_REFERENCE,
     loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0,
     learning_rate=6e-4, warmup_ratio=0.04, weight_decay=0.0, grad_clip_norm=1.0,
     global_batch_size=512, epochs=10, max_length=4096,

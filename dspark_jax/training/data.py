@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -40,6 +41,20 @@ from dspark_jax.target import Target
 
 MANIFEST = "manifest.json"
 FORMAT = "dspark-jax-tokens-v1"
+
+# A prompt "asks for code" when it names a language, a code artefact or holds a code fence.
+_CODE_PROMPT = re.compile(
+    r"```|\b(code|coding|programming|python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|"
+    r"html|css|react|node\.?js|bash|shell script|regex|function|script|algorithm|api|json|"
+    r"compile|debug|implement|django|flask|pandas|numpy|kotlin|swift|php|ruby|scala|matlab|"
+    r"dockerfile|kubernetes|yaml)\b", re.IGNORECASE)
+
+# Named prompt subsets for ``prepare_data(select=...)``: the campaign's code and chat domains
+# both come from ShareGPT prompts.
+PROMPT_SELECTIONS: dict[str, Callable[[str], bool]] = {
+    "code": lambda text: bool(_CODE_PROMPT.search(text)),
+    "chat": lambda text: not _CODE_PROMPT.search(text),
+}
 
 
 def read_prompts(files: Sequence[str | os.PathLike]) -> list[str]:
@@ -184,7 +199,7 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
                  out_dir: str | os.PathLike, *, max_samples: int | None = None,
                  first_prompt: int = 0, batch_size: int = 8, max_new_tokens: int = 2048, max_length: int = 4096,
                  temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20, seed: int = 0,
-                 min_loss_tokens: int = 14, shard_size: int = 1024,
+                 min_loss_tokens: int = 14, shard_size: int = 1024, select: str | None = None,
                  progress: bool = True) -> dict:
     """Regenerates answers to prompts with the target and writes a training data folder.
 
@@ -203,6 +218,9 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
       seed: base seed; each batch samples with ``batch_seed(seed, first prompt index)``.
       min_loss_tokens: samples with fewer answer tokens (after truncation) are dropped.
       shard_size: prompts per shard (rounded up to a multiple of ``batch_size``).
+      select: keep only the prompts of a named subset (``PROMPT_SELECTIONS``: "code" = those
+        that ask for code, "chat" = the others) before ``first_prompt`` / ``max_samples``
+        count them; None keeps all.
       progress: show a tqdm bar (prompts, with samples/s).
 
     Returns:
@@ -215,6 +233,11 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     files = [str(Path(f).resolve()) for f in prompt_files]
     per_file = [read_prompts([f]) for f in files]
     prompts = [p for file_prompts in per_file for p in file_prompts]
+    if select is not None:
+        if select not in PROMPT_SELECTIONS:
+            raise ValueError(f"unknown prompt selection {select!r}; known: "
+                             f"{', '.join(sorted(PROMPT_SELECTIONS))}")
+        prompts = [p for p in prompts if PROMPT_SELECTIONS[select](p)]
     if not 0 <= first_prompt < len(prompts):
         raise ValueError(f"first_prompt {first_prompt} is outside the {len(prompts)} prompts of "
                          f"{', '.join(files)}")
@@ -227,6 +250,8 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
                     seed=seed, min_loss_tokens=min_loss_tokens)
     if first_prompt:
         settings["first_prompt"] = first_prompt
+    if select is not None:
+        settings["select"] = select
     manifest = _resume_manifest(out, sources, settings)
     manifest["max_samples"] = max_samples
     total = len(prompts) if max_samples is None else min(max_samples, len(prompts))

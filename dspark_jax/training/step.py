@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dspark_jax import sharding
 from dspark_jax.models.decoder import Decoder
-from dspark_jax.training import losses
+from dspark_jax.training import losses, recipe
 
 
 class TrainState(NamedTuple):
@@ -136,11 +136,18 @@ def learning_rate_schedule(train_cfg, total_steps: int) -> Callable[[jax.Array],
 def make_optimizer(train_cfg, total_steps: int) -> optax.GradientTransformation:
     """AdamW (betas 0.9/0.999, eps 1e-8, decoupled ``weight_decay`` on every trainable
     parameter) with :func:`learning_rate_schedule`, after global-norm clipping to
-    ``grad_clip_norm`` (none when it is 0 or unset)."""
-    adamw = optax.adamw(learning_rate_schedule(train_cfg, total_steps), b1=0.9, b2=0.999,
-                        eps=1e-8, weight_decay=float(train_cfg.weight_decay))
+    ``grad_clip_norm`` (none when it is 0 or unset); ``lr_multipliers`` scale the rate of
+    parameter groups (``recipe.scale_groups``)."""
+    chain = []
     clip = getattr(train_cfg, "grad_clip_norm", None)
-    return optax.chain(optax.clip_by_global_norm(float(clip)), adamw) if clip else adamw
+    if clip:
+        chain.append(optax.clip_by_global_norm(float(clip)))
+    chain.append(optax.adamw(learning_rate_schedule(train_cfg, total_steps), b1=0.9, b2=0.999,
+                             eps=1e-8, weight_decay=float(train_cfg.weight_decay)))
+    multipliers = tuple(getattr(train_cfg, "lr_multipliers", ()) or ())
+    if multipliers:
+        chain.append(recipe.scale_groups(multipliers))
+    return optax.chain(*chain) if len(chain) > 1 else chain[0]
 
 
 # ----------------------------------------------------------------------------- sharding

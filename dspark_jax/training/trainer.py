@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from dspark_jax import sharding
 from dspark_jax.drafter import Drafter, init_drafter
 from dspark_jax.target import load_target
-from dspark_jax.training import step as train_step
+from dspark_jax.training import recipe, step as train_step
 from dspark_jax.training.features import cache_key
 from dspark_jax.training.pipeline import batches_per_epoch, make_pipeline
 
@@ -158,19 +158,21 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     data = make_pipeline(_data_dirs(tcfg), **_packing(tcfg, drafter.config),
                          feature_dir=_feature_dirs(tcfg),
                          feature_key=cache_key(target, drafter.config.target_layer_ids))
+    manager = ocp.CheckpointManager(
+        (workdir / "checkpoints").resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints,
+                                             enable_async_checkpointing=True))
+    start = manager.latest_step() or 0
+    params = drafter.state if start else recipe.initial_state(
+        drafter.state, drafter.config, target.state, tcfg, _data_dirs(tcfg))
     optimizer = train_step.make_optimizer(tcfg, steps)
-    state = train_step.init_train_state(drafter.state, optimizer, mesh)
+    state = train_step.init_train_state(params, optimizer, mesh)
     step_fn = train_step.make_train_step(
         drafter.graphdef, target.graphdef, tcfg, optimizer, mesh=mesh, state=state,
         target_state=target.state, grad_accum_steps=tcfg.grad_accum_steps,
         anchor_chunk=tcfg.anchor_chunk, compute_dtype=dtype)
     schedule = train_step.learning_rate_schedule(tcfg, steps)
 
-    manager = ocp.CheckpointManager(
-        (workdir / "checkpoints").resolve(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints,
-                                             enable_async_checkpointing=True))
-    start = manager.latest_step() or 0
     if start:
         restored = manager.restore(start, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract(state)), data=ocp.args.JsonRestore()))

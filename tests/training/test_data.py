@@ -147,3 +147,28 @@ def test_resume_after_kill_equals_uninterrupted(smollm2, uninterrupted, math_fil
 
     monkeypatch.setattr(data, "generate", no_generate)
     assert data.prepare_data(smollm2, math_files, out, **SETTINGS) == reference
+
+
+def test_select_keeps_code_or_chat_prompts(smollm2, tmp_path, monkeypatch):
+    prompts = ["Write a Python function that sorts a list", "Plan a trip to Rome",
+               "Fix this:\n```\nx = 1\n```", "How do I debug a segfault?", "Tell me a joke"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    asked = []
+
+    def fake_generate(target, prompt_ids, **kwargs):
+        asked.extend(smollm2.tokenizer.decode(ids) for ids in prompt_ids)
+        return [GenerationResult(list(range(10, 30)), "", {}) for _ in prompt_ids]
+
+    monkeypatch.setattr(data, "generate", fake_generate)
+    code = data.prepare_data(smollm2, [path], tmp_path / "code", select="code", batch_size=4,
+                             max_length=160, progress=False)
+    assert [p for p in prompts if any(p in a for a in asked)] == [prompts[0], prompts[2], prompts[3]]
+    assert code["settings"]["select"] == "code" and code["num_samples"] == 3
+    asked.clear()
+    chat = data.prepare_data(smollm2, [path], tmp_path / "chat", select="chat", batch_size=4,
+                             first_prompt=1, max_length=160, progress=False)
+    assert [p for p in prompts if any(p in a for a in asked)] == [prompts[4]]
+    assert chat["num_samples"] == 1
+    with pytest.raises(ValueError, match="unknown prompt selection 'math'"):
+        data.prepare_data(smollm2, [path], tmp_path / "x", select="math", progress=False)

@@ -1,0 +1,190 @@
+"""The recipe's departures from the reference initialisation and learning rates (issue 18).
+
+DeepSpec starts every drafter parameter from N(0, 0.02) (the Markov factors W1 [V, r] and
+W2 [r, V] included) and trains all of them at one learning rate. With both Markov factors small
+and random, the bias W1[prev] @ W2 and its gradients are tiny: a short run never moves the head.
+The train config's recipe fields (``presets.RECIPE_REFERENCE`` holds their reference values)
+choose other starts, applied once to a freshly initialised drafter before step 0:
+
+  markov_init        "reference": leave init_drafter's N(0, 0.02) factors.
+                     "zero_w2": W2 = 0 and W1 ~ N(0, markov_w1_scale), as low-rank adapters
+                     start: the bias is zero at step 0 and W2's gradient W1[prev]^T dbias is
+                     not, so the head learns from the first step.
+                     "bigram": W1, W2 from the truncated SVD of the training data's centred,
+                     smoothed log-bigram matrix (:func:`bigram_factors`), times markov_scale:
+                     the head starts as the best rank-r bigram bias of the data.
+  markov_w1_scale    std of W1 for "zero_w2".
+  markov_scale       multiplier of the "bigram" bias (split evenly over W1 and W2).
+  bigram_smoothing   beta of the bigram estimate (pseudo-counts, spread like the unigram).
+  draft_layers_from  target layer ids whose weights initialise the draft layers, one per draft
+                     layer (e.g. the target's last layers); () keeps the random init. The
+                     drafter's final norm then starts from the target's final norm.
+  lr_multipliers     ((group, factor), ...): the learning rate of a top-level parameter group
+                     (``markov_head``, ``layers``, ``fc``, ...) times factor; () for one rate.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dspark_jax.training.data import load_manifest, read_shard
+
+MARKOV_INITS = ("reference", "zero_w2", "bigram")
+
+
+def bigram_counts(data_dirs: Sequence[str | os.PathLike], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of (previous token, answer token) pairs in prepare-data folders.
+
+    A pair is counted where the second token is a loss (answer) token, as the Markov head sees
+    it in training: its bias for slot k depends on the token before slot k.
+
+    Returns:
+      (keys int64 [n], counts int64 [n]): unique prev * vocab + next keys and their counts.
+    """
+    keys = []
+    for data_dir in data_dirs:
+        manifest = load_manifest(data_dir)
+        if manifest is None:
+            raise ValueError(f"{data_dir} has no manifest.json (not a prepare-data folder)")
+        for entry in manifest["files"]:
+            shard = read_shard(os.path.join(data_dir, entry["file"]))
+            tokens, mask, offsets = shard["tokens"].astype(np.int64), shard["loss_mask"], shard["offsets"]
+            follows = np.ones(len(tokens), bool)
+            follows[offsets[:-1]] = False           # a sample's first token has no predecessor
+            at = np.nonzero(follows & (mask > 0))[0]
+            keys.append(tokens[at - 1] * vocab + tokens[at])
+    if not keys or not sum(len(k) for k in keys):
+        raise ValueError(f"no answer tokens in {', '.join(map(str, data_dirs))} to count bigrams from")
+    return np.unique(np.concatenate(keys), return_counts=True)
+
+
+def bigram_factors(data_dirs: Sequence[str | os.PathLike], vocab: int, rank: int, *,
+                   smoothing: float = 1.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """W1 [V, r], W2 [r, V] whose product is the best rank-r approximation of the data's bigram bias.
+
+    With pair counts c_ij, prev counts c_i = sum_j c_ij and the unigram p_j of answer tokens,
+    the smoothed bigram law is P(j | i) = (c_ij + beta p_j) / (c_i + beta). Centred per row by
+    its value at unseen pairs (a constant per row, to which a softmax bias is blind), its log is
+
+        M_ij = log P(j | i) - log(beta p_j / (c_i + beta)) = log(1 + c_ij / (beta p_j)),
+
+    zero wherever a pair was never seen, so M is sparse. Its truncated SVD U S V^T gives
+    W1 = U sqrt(S), W2 = sqrt(S) V^T; rows of W1 for tokens never seen as prev are zero.
+    """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.linalg import svds
+
+    keys, counts = bigram_counts(data_dirs, vocab)
+    prev, nxt = keys // vocab, keys % vocab
+    unigram = np.bincount(nxt, weights=counts, minlength=vocab) / counts.sum()
+    values = np.log1p(counts / (smoothing * unigram[nxt]))
+    matrix = csr_matrix((values, (prev, nxt)), shape=(vocab, vocab))
+    rank_used = min(rank, min(matrix.shape) - 1)
+    u, s, vt = svds(matrix, k=rank_used, random_state=np.random.default_rng(seed))
+    w1 = np.zeros((vocab, rank), np.float32)
+    w2 = np.zeros((rank, vocab), np.float32)
+    root = np.sqrt(s)
+    w1[:, :rank_used] = u * root
+    w2[:rank_used] = root[:, None] * vt
+    return w1, w2
+
+
+def _replace(state: nnx.State, new: dict[tuple[str, ...], np.ndarray]) -> nnx.State:
+    """``state`` with the leaves at the given name paths replaced (same dtype and sharding)."""
+    found = set()
+
+    def one(path, leaf):
+        names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+        names = tuple(n for n in names if n != "value")
+        if names not in new:
+            return leaf
+        found.add(names)
+        value = np.asarray(new[names])
+        if value.shape != leaf.shape:
+            raise ValueError(f"recipe init of {'.'.join(names)}: shape {value.shape}, "
+                             f"the drafter has {leaf.shape}")
+        return jax.device_put(jnp.asarray(value, leaf.dtype), leaf.sharding)
+
+    out = jax.tree_util.tree_map_with_path(one, state)
+    missing = set(new) - found
+    if missing:
+        raise ValueError(f"recipe init: the drafter has no parameter {sorted(missing)}")
+    return out
+
+
+def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.State, train_cfg,
+                  data_dirs: Sequence[str | os.PathLike]) -> nnx.State:
+    """The drafter parameters of step 0 under the recipe fields of ``train_cfg`` (module doc).
+
+    Args:
+      drafter_state: ``init_drafter``'s parameters (the reference start).
+      drafter_config: the drafter config (rank, head, layers).
+      target_state: the target's parameters (source of ``draft_layers_from``).
+      train_cfg: the train config.
+      data_dirs: the training data folders (source of the "bigram" start).
+    """
+    mode = train_cfg.get("markov_init", "reference")
+    if mode not in MARKOV_INITS:
+        raise ValueError(f"train.markov_init {mode!r}: choose one of {', '.join(MARKOV_INITS)}")
+    new = {}
+    rank = drafter_config.markov_rank
+    if mode != "reference":
+        if drafter_config.head != "markov":
+            raise ValueError(f"train.markov_init {mode!r} needs the vanilla Markov head, the "
+                             f"drafter has head {drafter_config.head!r}")
+        w1_path, w2_path = ("markov_head", "markov_w1", "embedding"), ("markov_head", "markov_w2", "kernel")
+        vocab = drafter_state["markov_head"]["markov_w1"]["embedding"].shape[0]
+        if mode == "zero_w2":
+            rng = np.random.default_rng(int(train_cfg.seed))
+            new[w1_path] = rng.normal(0.0, float(train_cfg.markov_w1_scale), (vocab, rank))
+            new[w2_path] = np.zeros((rank, vocab))
+        else:
+            w1, w2 = bigram_factors(data_dirs, vocab, rank, smoothing=float(train_cfg.bigram_smoothing),
+                                    seed=int(train_cfg.seed))
+            root = np.sqrt(float(train_cfg.markov_scale))
+            new[w1_path], new[w2_path] = w1 * root, w2 * root
+    source = tuple(int(i) for i in train_cfg.get("draft_layers_from", ()))
+    if source:
+        if len(source) != drafter_config.num_layers:
+            raise ValueError(f"train.draft_layers_from names {len(source)} target layers for "
+                             f"{drafter_config.num_layers} draft layers")
+        target_layers = target_state["layers"]
+        num_target = jax.tree.leaves(target_layers)[0].shape[0]
+        if not all(0 <= i < num_target for i in source):
+            raise ValueError(f"train.draft_layers_from {source}: the target has layers 0..{num_target - 1}")
+        index = np.asarray(source)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(target_layers)[0]:
+            names = tuple(n for n in (getattr(k, "key", None) for k in path) if n not in (None, "value"))
+            new[("layers",) + names] = np.asarray(leaf)[index]
+        new[("norm", "weight")] = np.asarray(target_state["norm"]["weight"][...])
+    return _replace(drafter_state, new) if new else drafter_state
+
+
+def scale_groups(multipliers: Sequence[tuple[str, float]]) -> optax.GradientTransformation:
+    """Multiplies the updates of top-level parameter groups by fixed factors (per-group rates)."""
+    factors = {str(name): float(factor) for name, factor in multipliers}
+
+    def update(updates, state, params=None):
+        del params
+
+        def one(path, u):
+            return u * factors[path[0].key] if path and getattr(path[0], "key", None) in factors else u
+
+        return jax.tree_util.tree_map_with_path(one, updates), state
+
+    def init(params):
+        groups = {getattr(path[0], "key", None) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+        unknown = sorted(set(factors) - groups)
+        if unknown:
+            raise ValueError(f"train.lr_multipliers names unknown parameter group(s) {unknown}; "
+                             f"the drafter has {sorted(g for g in groups if g)}")
+        return optax.EmptyState()
+
+    return optax.GradientTransformation(init, update)
