@@ -45,7 +45,10 @@ DSPARK_TRAIN = dict(
     seed=0,
     log_every=10,
     checkpoint_every=500,
-    keep_checkpoints=3)
+    keep_checkpoints=3,
+    heldout_dir=(),         # held-out prepare-data folders for the learning curve (heldout.jsonl)
+    heldout_every=0,        # evaluate every this many steps (0: only at step 0 and at the end)
+    heldout_batches=0)      # batches of the held-out epoch to use (0: all)
 # DFlash trains with cross-entropy only.
 DFLASH_TRAIN_CHANGES = dict(ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
 

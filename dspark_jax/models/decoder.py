@@ -81,10 +81,14 @@ class Decoder(nnx.Module):
         """int [B, T] -> [B, T, d]."""
         return self.embed_tokens(tokens)
 
+    def lm_head_matrix(self) -> jax.Array:
+        """The LM head [d, V] (the transposed embedding when tied)."""
+        return self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
+
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final-normed hidden [..., d] -> float32 logits [..., V]."""
-        head = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        """Final-normed hidden [..., d] -> float32 logits [..., V] (``hidden @ lm_head_matrix()``)."""
+        return jnp.einsum("...d,dv->...v", hidden, self.lm_head_matrix(),
+                          preferred_element_type=jnp.float32)
 
     def rope(self, positions: jax.Array):
         """int [B, T] -> (cos, sin) [B, T, D]."""

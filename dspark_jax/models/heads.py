@@ -8,6 +8,10 @@ teacher-forced training forward treat them alike:
   state, bias = head.step(state, prev, hidden)        # prev int [...], hidden [..., d]
                                                       # -> bias float32 [..., V]
 
+and every bias is linear in a rank-r latent: ``step`` is ``project(latent_step(...))`` with
+``project(latent) = latent @ W2``, so training can treat the bias as one more linear map into
+the vocabulary beside the LM head (``block_latents``; training/losses.py).
+
 The DFlash baseline has no head (``head="none"``): the bias is zero. Parameter names follow the
 DeepSpec checkpoint keys (``markov_head.markov_w1`` ...), so the generic Hugging Face name map
 gives exactly the spec's tensor names.
@@ -59,10 +63,15 @@ class MarkovHead(nnx.Module):
         """The step carry before slot 0: [*batch_shape, 0] (this head is stateless)."""
         return jnp.zeros(batch_shape + (0,), jnp.float32)
 
+    def latent_step(self, state: jax.Array, prev: jax.Array, hidden: jax.Array):
+        """(state, prev int [...], hidden [..., d]) -> (state, latent [..., r])."""
+        del hidden
+        return state, self.prev_embedding(prev)
+
     def step(self, state: jax.Array, prev: jax.Array, hidden: jax.Array):
         """(state, prev int [...], hidden [..., d]) -> (state, float32 bias [..., V])."""
-        del hidden
-        return state, self.project(self.prev_embedding(prev))
+        state, latent = self.latent_step(state, prev, hidden)
+        return state, self.project(latent)
 
 
 class GatedMarkovHead(MarkovHead):
@@ -73,10 +82,10 @@ class GatedMarkovHead(MarkovHead):
         self.gate_proj = Linear(hidden_size + rank, rank, names=("head_in", "markov_rank"),
                                 dtype=dtype, rngs=rngs, bias=True)
 
-    def step(self, state, prev, hidden):
+    def latent_step(self, state, prev, hidden):
         emb = self.prev_embedding(prev)
         gate = jax.nn.sigmoid(self.gate_proj(jnp.concatenate([hidden.astype(emb.dtype), emb], -1)))
-        return state, self.project(gate * emb)
+        return state, gate * emb
 
 
 class RNNHead(MarkovHead):
@@ -94,13 +103,13 @@ class RNNHead(MarkovHead):
     def init_state(self, batch_shape):
         return jnp.zeros(batch_shape + (self.rank,), jnp.float32)
 
-    def step(self, state, prev, hidden):
+    def latent_step(self, state, prev, hidden):
         emb = self.prev_embedding(prev)
         z = jnp.concatenate([state.astype(emb.dtype), emb, hidden.astype(emb.dtype)], axis=-1)
         gate, candidate, out = jnp.split(self.joint_proj(z).astype(jnp.float32), 3, axis=-1)
         gate = jax.nn.sigmoid(gate)
         state = gate * state + (1.0 - gate) * jnp.tanh(candidate)
-        return state, self.project(jnp.tanh(out).astype(emb.dtype))
+        return state, jnp.tanh(out).astype(emb.dtype)
 
 
 def make_head(kind: str, *, vocab: int, rank: int, hidden_size: int, dtype,
@@ -112,6 +121,19 @@ def make_head(kind: str, *, vocab: int, rank: int, hidden_size: int, dtype,
         return MarkovHead(vocab=vocab, rank=rank, dtype=dtype, rngs=rngs)
     cls = {"gated": GatedMarkovHead, "rnn": RNNHead}[kind]
     return cls(vocab=vocab, rank=rank, hidden_size=hidden_size, dtype=dtype, rngs=rngs)
+
+
+def block_latents(head: MarkovHead, prev: jax.Array, hidden: jax.Array) -> jax.Array:
+    """Teacher-forced latents of a whole block: prev int [..., P], hidden [..., P, d] -> [..., P, r]
+    (prev_0 = the anchor); the block's biases are ``head.project`` of them."""
+
+    def step(state, xs):
+        p, h = xs
+        return head.latent_step(state, p, h)
+
+    _, latent = jax.lax.scan(step, head.init_state(prev.shape[:-1]),
+                             (jnp.moveaxis(prev, -1, 0), jnp.moveaxis(hidden, -2, 0)))
+    return jnp.moveaxis(latent, 0, -2)
 
 
 def block_bias(head: MarkovHead | None, prev: jax.Array, hidden: jax.Array) -> jax.Array:
@@ -127,14 +149,7 @@ def block_bias(head: MarkovHead | None, prev: jax.Array, hidden: jax.Array) -> j
     """
     if head is None:
         return jnp.zeros((), jnp.float32)
-
-    def step(state, xs):
-        p, h = xs
-        return head.step(state, p, h)
-
-    _, bias = jax.lax.scan(step, head.init_state(prev.shape[:-1]),
-                           (jnp.moveaxis(prev, -1, 0), jnp.moveaxis(hidden, -2, 0)))
-    return jnp.moveaxis(bias, 0, -2)
+    return head.project(block_latents(head, prev, hidden))
 
 
 class ConfidenceHead(nnx.Module):

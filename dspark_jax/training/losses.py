@@ -12,8 +12,13 @@ Everything is first reduced to sums (:func:`loss_sums`), so micro-batches and sh
 and the loss is always sum-of-numerators / sum-of-denominators over the global batch.
 
 The full-vocabulary logits are only ever built for a chunk of anchors at a time, inside a
-rematerialised ``lax.map`` body: the backward pass recomputes them chunk by chunk instead of
-storing [b, N, B, V] activations.
+``lax.map`` body, and never in the backward pass: CE and L1 enter the loss linearly with
+weights known before the step (alpha * w, data only), so each chunk computes its part of the
+loss together with that part's gradient with respect to the draft hidden states, the
+sequential head's latents and W2 (:func:`vocab_loss`, a custom VJP: the "fused linear
+cross-entropy" of large-vocabulary training). Per chunk that is three vocabulary-sized matmuls
+(target logits, draft logits, the gradient's projection back) instead of the five of
+rematerialised autodiff, and [b, N, B, V] is never stored.
 
 Shapes: b rows, S row length, N anchors per row, B block size, P proposal slots
 (B - first_proposal_slot), d hidden size, V vocabulary.
@@ -28,6 +33,7 @@ from flax import nnx
 
 from dspark_jax.models.decoder import Decoder
 from dspark_jax.models.drafter import DrafterModel, TrainOutput
+from dspark_jax.models.heads import block_latents
 
 EPS = 1e-6
 DEFAULT_ANCHOR_CHUNK = 32
@@ -73,7 +79,7 @@ def _split_chunks(x: jax.Array, chunk: int) -> jax.Array:
     """[b, N, ...] -> [ceil(N / chunk), b, chunk, ...], zero-padding the anchor axis."""
     b, n = x.shape[:2]
     x = jnp.pad(x, [(0, 0), (0, -n % chunk)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(b, -1, chunk, *x.shape[2:]), 1, 0)
+    return jnp.moveaxis(x.reshape(b, x.shape[1] // chunk, chunk, *x.shape[2:]), 1, 0)
 
 
 def _join_chunks(y: jax.Array, n: int) -> jax.Array:
@@ -82,40 +88,107 @@ def _join_chunks(y: jax.Array, n: int) -> jax.Array:
     return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :n]
 
 
-def chunked_slot_terms(drafter: DrafterModel, target: Decoder, out: TrainOutput,
-                       target_hidden: jax.Array, anchors: jax.Array,
-                       anchor_chunk: int = DEFAULT_ANCHOR_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """:func:`slot_terms` for every block, ``anchor_chunk`` anchors at a time.
+def _vocab_terms(h, latent, head, w2, t_logits, labels, c_ce, c_l1):
+    """Forward of :func:`vocab_loss` with the gradient of its loss: see there for shapes."""
+    z = jnp.einsum("nd,dv->nv", h, head, preferred_element_type=jnp.float32)
+    if latent.shape[-1]:
+        z = z + jnp.einsum("nr,rv->nv", latent, w2, preferred_element_type=jnp.float32)
+    log_p = jax.nn.log_softmax(z, axis=-1)
+    p = jnp.exp(log_p)
+    ce = -jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0]
+    diff = p - jax.nn.softmax(t_logits.astype(jnp.float32), axis=-1)
+    l1 = jnp.sum(jnp.abs(diff), axis=-1)
+    # d ce / dz = p - onehot(label); d l1 / dz = p * (s - <p, s>) with s = sign(p - q).
+    sign = jnp.sign(diff)
+    onehot = jax.nn.one_hot(labels, z.shape[-1], dtype=jnp.float32)
+    g = (c_ce[:, None] * (p - onehot)
+         + c_l1[:, None] * p * (sign - jnp.sum(p * sign, axis=-1, keepdims=True)))
+    dh = jnp.einsum("nv,dv->nd", g.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    dlatent = jnp.einsum("nv,rv->nr", g.astype(w2.dtype), w2, preferred_element_type=jnp.float32)
+    dw2 = jnp.einsum("nr,nv->rv", latent.astype(jnp.float32), g)
+    loss = jnp.sum(c_ce * ce + c_l1 * l1)
+    return (loss, ce, l1), (dh.astype(h.dtype), dlatent.astype(latent.dtype), dw2.astype(w2.dtype))
+
+
+@jax.custom_vjp
+def vocab_loss(h, latent, head, w2, t_logits, labels, c_ce, c_l1):
+    """sum_n c_ce[n] CE[n] + c_l1[n] L1[n] over slots, and the per-slot CE and L1 (values only).
 
     Args:
-      drafter, target: the drafter and the (frozen) target decoder (LM head, head bias).
+      h: [n, d] final-normed draft hidden states; latent: [n, r] the sequential head's latents
+        (r = 0 without a head). Draft logits: h @ head + latent @ w2.
+      head: [d, V] the target's LM head (frozen: its cotangent is zero); w2: [r, V].
+      t_logits: [n, V] the target's logits at the same slots (no gradient).
+      labels: int [n]; c_ce, c_l1: float32 [n] the slots' loss weights (no gradient).
+
+    Returns:
+      (loss [], ce [n], l1 [n]) in float32. Only ``loss`` is differentiable: its gradient is
+      computed in the forward pass, and the cotangents of ce and l1 are ignored (use them as
+      values: metrics, the confidence label).
+    """
+    return _vocab_terms(h, latent, head, w2, t_logits, labels, c_ce, c_l1)[0]
+
+
+def _vocab_loss_fwd(h, latent, head, w2, t_logits, labels, c_ce, c_l1):
+    out, grads = _vocab_terms(h, latent, head, w2, t_logits, labels, c_ce, c_l1)
+    return out, (grads, head, t_logits, labels, c_ce, c_l1)
+
+
+def _vocab_loss_bwd(res, cotangents):
+    (dh, dlatent, dw2), head, t_logits, labels, c_ce, c_l1 = res
+    dloss = cotangents[0]
+    zero = jnp.zeros_like
+    return (dloss.astype(dh.dtype) * dh, dloss.astype(dlatent.dtype) * dlatent, zero(head),
+            dloss.astype(dw2.dtype) * dw2, zero(t_logits), None, zero(c_ce), zero(c_l1))
+
+
+vocab_loss.defvjp(_vocab_loss_fwd, _vocab_loss_bwd)
+
+
+def chunked_vocab_terms(drafter: DrafterModel, target: Decoder, out: TrainOutput,
+                        target_hidden: jax.Array, anchors: jax.Array, c_ce: jax.Array,
+                        c_l1: jax.Array, anchor_chunk: int = DEFAULT_ANCHOR_CHUNK):
+    """:func:`vocab_loss` over every block, ``anchor_chunk`` anchors at a time.
+
+    Args:
+      drafter, target: the drafter and the (frozen) target decoder (LM head).
       out: ``forward_train(..., with_logits=False)`` output (hidden [b, N, B, d], prev, labels).
       target_hidden: [b, S, d] the target's final-normed last hidden states.
       anchors: int [b, N] the anchors ``out`` was computed for.
-      anchor_chunk: anchors per chunk; peak memory is two [b, anchor_chunk, B, V] float32
-        logits (recomputed in the backward pass, never stored for all chunks).
+      c_ce, c_l1: float32 [b, N, B] the slots' CE and L1 loss weights (data only).
+      anchor_chunk: anchors per chunk; peak memory is a few [b, anchor_chunk, B, V] float32
+        arrays of one chunk.
 
     Returns:
-      (ce, l1), float32 [b, N, B].
+      (loss [] differentiable, ce [b, N, B], l1 [b, N, B] values).
     """
     n = anchors.shape[1]
     chunk = max(1, min(anchor_chunk, n))
     index = target_slot_index(anchors, drafter.cfg.block_size, drafter.first_proposal_slot,
                               target_hidden.shape[1])
-    graphdef, states = nnx.split((drafter, target))
+    head = drafter.markov_head
+    latent = (block_latents(head, out.prev, out.hidden) if head is not None
+              else jnp.zeros(out.hidden.shape[:-1] + (0,), out.hidden.dtype))
+    w2 = (head.markov_w2.kernel[...] if head is not None
+          else jnp.zeros((0, drafter.model_cfg.vocab_size), out.hidden.dtype))
+    lm_head = target.lm_head_matrix()
 
-    def terms(states, target_hidden, xs):
-        drafter, target = nnx.merge(graphdef, states)
-        hidden, prev, labels, index = xs
-        rows = index.reshape(index.shape[0], -1)
+    def terms(xs):
+        hidden, lat, labels, idx, wce, wl1 = xs
+        rows = idx.reshape(idx.shape[0], -1)
         t_hidden = jnp.take_along_axis(target_hidden, rows[..., None], axis=1)
-        t_logits = target.logits(t_hidden.reshape(*index.shape, -1))
-        return slot_terms(drafter.logits(target, hidden, prev), t_logits, labels)
+        t_logits = jax.lax.stop_gradient(target.logits(t_hidden))
+        slots = idx.size
+        loss, ce, l1 = vocab_loss(hidden.reshape(slots, -1), lat.reshape(slots, lat.shape[-1]),
+                                  lm_head, w2, t_logits.reshape(slots, -1), labels.reshape(slots),
+                                  wce.reshape(slots), wl1.reshape(slots))
+        return loss, ce.reshape(idx.shape), l1.reshape(idx.shape)
 
-    terms = jax.checkpoint(terms, prevent_cse=False)
-    xs = tuple(_split_chunks(x, chunk) for x in (out.hidden, out.prev, out.labels, index))
-    ce, l1 = jax.lax.map(lambda x: terms(states, target_hidden, x), xs)
-    return _join_chunks(ce, n), _join_chunks(l1, n)
+    xs = tuple(_split_chunks(x, chunk) for x in (out.hidden, latent, out.labels, index,
+                                                 jax.lax.stop_gradient(c_ce),
+                                                 jax.lax.stop_gradient(c_l1)))
+    loss, ce, l1 = jax.lax.map(terms, xs)
+    return loss.sum(), jax.lax.stop_gradient(_join_chunks(ce, n)), jax.lax.stop_gradient(_join_chunks(l1, n))
 
 
 def slot_weights(eval_mask: jax.Array, first_proposal_slot: int,
@@ -132,7 +205,8 @@ def slot_weights(eval_mask: jax.Array, first_proposal_slot: int,
 
 
 def reduce_terms(ce: jax.Array, l1: jax.Array, confidence: jax.Array | None, eval_mask: jax.Array,
-                 *, first_proposal_slot: int, loss_decay_gamma: float | None) -> dict[str, jax.Array]:
+                 *, first_proposal_slot: int, loss_decay_gamma: float | None, ce_alpha: float,
+                 l1_alpha: float) -> dict[str, jax.Array]:
     """Per-slot terms -> the loss numerators/denominators and metric sums.
 
     Args:
@@ -141,11 +215,13 @@ def reduce_terms(ce: jax.Array, l1: jax.Array, confidence: jax.Array | None, eva
       eval_mask: bool [b, N, B] (only proposal slots, contiguous valid prefixes).
       first_proposal_slot: 0 (the anchor slot predicts) or 1.
       loss_decay_gamma: the slot decay constant.
+      ce_alpha, l1_alpha: the loss weights of CE and L1.
 
     Returns:
       A dict of float32 sums over the batch, to be added over micro-batches / shards:
         weight [] sum w (the common denominator); ce, l1, confidence [] sum w * term
-        (confidence 0 without a head); tokens [] valid slots; blocks [] blocks with at least one
+        (confidence 0 without a head); vocab [] ce_alpha * ce + l1_alpha * l1 (the loss's
+        full-vocabulary part); tokens [] valid slots; blocks [] blocks with at least one
         valid slot; tau [] sum over those blocks of 1 + sum_k prod_{j<=k} alpha_j;
         accept [P], slot_tokens [P] sum of alpha and count of valid slots per proposal slot;
         confidence_error [] sum over valid slots of |sigmoid(confidence) - alpha|.
@@ -163,40 +239,47 @@ def reduce_terms(ce: jax.Array, l1: jax.Array, confidence: jax.Array | None, eva
     valid_alpha = (alpha * valid)[..., proposal]
     has_valid = eval_mask.any(axis=-1).astype(jnp.float32)
     tau = 1.0 + jnp.cumprod(valid_alpha, axis=-1).sum(axis=-1)
+    ce_sum, l1_sum = jnp.sum(w * ce), jnp.sum(w * l1)
     return dict(
-        weight=w.sum(), ce=jnp.sum(w * ce), l1=jnp.sum(w * l1), confidence=bce,
+        weight=w.sum(), ce=ce_sum, l1=l1_sum, vocab=ce_alpha * ce_sum + l1_alpha * l1_sum,
+        confidence=bce,
         tokens=valid.sum(), blocks=has_valid.sum(), tau=jnp.sum(tau * has_valid),
         accept=valid_alpha.sum(axis=(0, 1)), slot_tokens=valid[..., proposal].sum(axis=(0, 1)),
         confidence_error=conf_error)
 
 
 def loss_sums(drafter: DrafterModel, target: Decoder, out: TrainOutput, target_hidden: jax.Array,
-              anchors: jax.Array, *, loss_decay_gamma: float | None,
-              anchor_chunk: int = DEFAULT_ANCHOR_CHUNK) -> dict[str, jax.Array]:
-    """The loss sums of one batch (see :func:`reduce_terms`).
+              anchors: jax.Array, *, loss_decay_gamma: float | None, ce_alpha: float,
+              l1_alpha: float, anchor_chunk: int = DEFAULT_ANCHOR_CHUNK) -> dict[str, jax.Array]:
+    """The loss sums of one batch (see :func:`reduce_terms`); ``vocab`` carries the gradient of
+    the full-vocabulary terms (:func:`chunked_vocab_terms`), ``ce`` and ``l1`` are values.
 
     Args:
       drafter, target: drafter and frozen target decoder.
       out: ``drafter.forward_train(target, ..., with_logits=False)``.
       target_hidden: [b, S, d] the target's final-normed last hidden states (no gradient).
       anchors: int [b, N] the anchors passed to ``forward_train``.
-      loss_decay_gamma: the train config's ``loss_decay_gamma``.
+      loss_decay_gamma, ce_alpha, l1_alpha: the train config's slot decay and loss weights.
       anchor_chunk: anchors per chunk of full-vocabulary logits.
     """
-    ce, l1 = chunked_slot_terms(drafter, target, out, target_hidden, anchors, anchor_chunk)
-    return reduce_terms(ce, l1, out.confidence, out.eval_mask,
-                        first_proposal_slot=drafter.first_proposal_slot,
-                        loss_decay_gamma=loss_decay_gamma)
+    first = drafter.first_proposal_slot
+    w = slot_weights(out.eval_mask, first, loss_decay_gamma)
+    vocab, ce, l1 = chunked_vocab_terms(drafter, target, out, target_hidden, anchors,
+                                        ce_alpha * w, l1_alpha * w, anchor_chunk)
+    sums = reduce_terms(ce, l1, out.confidence, out.eval_mask, first_proposal_slot=first,
+                        loss_decay_gamma=loss_decay_gamma, ce_alpha=ce_alpha, l1_alpha=l1_alpha)
+    sums["vocab"] = vocab
+    return sums
 
 
 def loss_numerator(sums: dict[str, jax.Array], train_cfg) -> jax.Array:
-    """ce_alpha * sum w CE + l1_alpha * sum w L1 + conf_alpha * sum w BCE (a float32 scalar).
+    """ce_alpha * sum w CE + l1_alpha * sum w L1 + conf_alpha * sum w BCE (a float32 scalar):
+    ``sums["vocab"] + conf_alpha * sums["confidence"]``.
 
     Its gradient divided by ``sums["weight"] + EPS`` is the gradient of :func:`total_loss`
     (the weights depend only on the data).
     """
-    return (train_cfg.ce_loss_alpha * sums["ce"] + train_cfg.l1_loss_alpha * sums["l1"]
-            + train_cfg.confidence_head_alpha * sums["confidence"])
+    return sums["vocab"] + train_cfg.confidence_head_alpha * sums["confidence"]
 
 
 def total_loss(sums: dict[str, jax.Array], train_cfg) -> jax.Array:

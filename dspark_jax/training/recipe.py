@@ -96,7 +96,7 @@ def bigram_factors(data_dirs: Sequence[str | os.PathLike], vocab: int, rank: int
     return w1, w2
 
 
-def _replace(state: nnx.State, new: dict[tuple[str, ...], np.ndarray]) -> nnx.State:
+def replace_params(state: nnx.State, new: dict[tuple[str, ...], np.ndarray]) -> nnx.State:
     """``state`` with the leaves at the given name paths replaced (same dtype and sharding)."""
     found = set()
 
@@ -164,7 +164,7 @@ def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.St
             names = tuple(n for n in (getattr(k, "key", None) for k in path) if n not in (None, "value"))
             new[("layers",) + names] = np.asarray(leaf)[index]
         new[("norm", "weight")] = np.asarray(target_state["norm"]["weight"][...])
-    return _replace(drafter_state, new) if new else drafter_state
+    return replace_params(drafter_state, new) if new else drafter_state
 
 
 def scale_groups(multipliers: Sequence[tuple[str, float]]) -> optax.GradientTransformation:

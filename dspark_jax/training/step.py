@@ -102,7 +102,9 @@ def loss_sums_fn(drafter_params: nnx.State, drafter_graphdef, target_graphdef,
         keep=batch["keep"], loss_mask=batch["loss_mask"], positions=batch["positions"],
         segment_ids=batch["segment_ids"], with_logits=False)
     return losses.loss_sums(drafter, target, out, hidden, batch["anchors"],
-                            loss_decay_gamma=train_cfg.loss_decay_gamma, anchor_chunk=anchor_chunk)
+                            loss_decay_gamma=train_cfg.loss_decay_gamma,
+                            ce_alpha=float(train_cfg.ce_loss_alpha),
+                            l1_alpha=float(train_cfg.l1_loss_alpha), anchor_chunk=anchor_chunk)
 
 
 def loss_fn(drafter_params: nnx.State, drafter_graphdef, target_graphdef, target_state: nnx.State,

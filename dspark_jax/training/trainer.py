@@ -32,6 +32,7 @@ from dspark_jax.drafter import Drafter, init_drafter
 from dspark_jax.target import load_target
 from dspark_jax.training import recipe, step as train_step
 from dspark_jax.training.features import cache_key
+from dspark_jax.training.heldout import HeldOut
 from dspark_jax.training.pipeline import batches_per_epoch, make_pipeline
 
 
@@ -130,6 +131,28 @@ class _Logger:
                     self.tb.add_scalar(k, v, record["step"])
 
 
+class _HeldOutCurve:
+    """The learning curve: held-out metrics at steps, with the Markov head zeroed too, appended
+    to ``workdir/heldout.jsonl`` (one record per evaluation; process 0 writes)."""
+
+    def __init__(self, drafter: Drafter, tcfg, workdir: Path):
+        self.heldout = HeldOut(drafter, list(tcfg.heldout_dir), tcfg,
+                               max_batches=int(tcfg.get("heldout_batches", 0)) or None)
+        self.zero_w2 = drafter.config.head == "markov"
+        self.path = workdir / "heldout.jsonl"
+
+    def evaluate(self, step: int, params) -> None:
+        record = dict(step=step, **self.heldout.metrics(params, progress=False))
+        if self.zero_w2:
+            w2 = params["markov_head"]["markov_w2"]["kernel"]
+            zeroed = recipe.replace_params(params, {("markov_head", "markov_w2", "kernel"):
+                                                    np.zeros(w2.shape, np.float32)})
+            record["w2_zero"] = self.heldout.metrics(zeroed, progress=False)
+        if jax.process_index() == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
 def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     """Trains (or resumes training) a drafter; returns it with the trained parameters.
 
@@ -181,6 +204,9 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
     logger = _Logger(workdir)
+    curve = _HeldOutCurve(drafter, tcfg, workdir) if tcfg.get("heldout_dir") else None
+    if curve is not None and start == 0:
+        curve.evaluate(0, state.params)
     bar = tqdm(total=steps, initial=start, desc="train", unit="step",
                disable=not progress or jax.process_index() != 0)
     with jax.set_mesh(mesh):
@@ -199,6 +225,9 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}",
                             tau=f"{metrics['tau_probabilistic']:.2f}")
             bar.update(1)
+            if curve is not None and (done == steps or (tcfg.heldout_every
+                                                         and done % tcfg.heldout_every == 0)):
+                curve.evaluate(done, state.params)
             if done % tcfg.checkpoint_every == 0 or done == steps:
                 manager.save(done, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())))

@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 
 import dspark_jax
 from dspark_jax.target import init_target
-from dspark_jax.training import losses
+from dspark_jax.training import losses, recipe
 
 TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -64,10 +64,11 @@ def example(request):
     return first, draft, target, labels, conf, mask
 
 
-def _sums(draft, target, labels, conf, mask, first):
+def _sums(draft, target, labels, conf, mask, first, cfg=CFG):
     ce, l1 = losses.slot_terms(draft, target, labels)
     return losses.reduce_terms(ce, l1, conf, jnp.asarray(mask), first_proposal_slot=first,
-                               loss_decay_gamma=4.0)
+                               loss_decay_gamma=4.0, ce_alpha=cfg.ce_loss_alpha,
+                               l1_alpha=cfg.l1_loss_alpha)
 
 
 @pytest.mark.parametrize("example", [0, 1], indirect=True, ids=["anchor_predicts", "dflash_slots"])
@@ -93,7 +94,7 @@ def test_confidence_label_is_detached(example):
     only_conf = ConfigDict(dict(CFG, ce_loss_alpha=0.0, l1_loss_alpha=0.0))
 
     def loss(draft, target, conf):
-        return losses.total_loss(_sums(draft, target, labels, conf, mask, first), only_conf)
+        return losses.total_loss(_sums(draft, target, labels, conf, mask, first, only_conf), only_conf)
 
     g_draft, g_target, g_conf = jax.grad(loss, argnums=(0, 1, 2))(draft, target, conf)
     expected = ref["w"] * (1 / (1 + np.exp(-conf)) - ref["alpha"]) / (ref["w"].sum() + 1e-6)
@@ -101,10 +102,15 @@ def test_confidence_label_is_detached(example):
     assert not np.any(g_draft) and not np.any(g_target)
 
 
-@pytest.fixture(scope="module")
-def model_case():
+@pytest.fixture(scope="module", params=["markov", "gated", "rnn", "none"])
+def model_case(request):
     target = init_target(TINY, seed=1)
-    drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4)
+    drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4,
+                                      head=request.param)
+    if request.param != "none":  # W2 ~ N(0, 1): a bias that matters for every slot
+        w2 = drafter.state["markov_head"]["markov_w2"]["kernel"]
+        drafter.state = recipe.replace_params(drafter.state, {
+            ("markov_head", "markov_w2", "kernel"): np.random.default_rng(4).normal(size=w2.shape)})
     rng = np.random.default_rng(3)
     seq = 20
     ids = jnp.asarray(rng.integers(0, 64, (2, seq)), jnp.int32)
@@ -114,10 +120,11 @@ def model_case():
     return target, drafter, ids, loss_mask, anchors, keep
 
 
-@pytest.mark.slow  # gradients at three chunk sizes
-def test_chunked_loss_equals_unchunked(model_case):
-    """Chunks of 1, 3 and N anchors give the same sums and gradients (w.r.t. the drafter and its
-    hidden states) as the full [b, N, B, V] logits."""
+@pytest.mark.parametrize("chunks", [(3,), pytest.param((1, 5), marks=pytest.mark.slow)])
+def test_chunked_loss_equals_unchunked(model_case, chunks):
+    """Chunks of 1, 3 and N anchors (the fused CE / L1 gradient of ``vocab_loss``) give the same
+    sums and gradients (w.r.t. the drafter and its hidden states) as autodiff of the full
+    [b, N, B, V] logits, for every sequential head."""
     target, drafter, ids, loss_mask, anchors, keep = model_case
     tmodel = target.model
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
@@ -134,10 +141,12 @@ def test_chunked_loss_equals_unchunked(model_case):
             logits = tmodel.logits(t_hidden).reshape(out.logits.shape)
             ce, l1 = losses.slot_terms(model.logits(tmodel, hidden, out.prev), logits, out.labels)
             return losses.reduce_terms(ce, l1, conf, out.eval_mask, first_proposal_slot=0,
-                                       loss_decay_gamma=4.0)
+                                       loss_decay_gamma=4.0, ce_alpha=CFG.ce_loss_alpha,
+                                       l1_alpha=CFG.l1_loss_alpha)
         chunk_out = out._replace(hidden=hidden, confidence=conf, logits=None)
         return losses.loss_sums(model, tmodel, chunk_out, t_out.hidden, anchors,
-                                loss_decay_gamma=4.0, anchor_chunk=chunk)
+                                loss_decay_gamma=4.0, ce_alpha=CFG.ce_loss_alpha,
+                                l1_alpha=CFG.l1_loss_alpha, anchor_chunk=chunk)
 
     def loss_and_grad(chunk):
         def fn(state, hidden):
@@ -147,7 +156,7 @@ def test_chunked_loss_equals_unchunked(model_case):
 
     (ref_loss, ref_sums), ref_grad = loss_and_grad(None)
     assert float(ref_sums["tokens"]) > 20
-    for chunk in (1, 3, 5):
+    for chunk in chunks:
         (loss, sums), grad = loss_and_grad(chunk)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)
         for key in ref_sums:

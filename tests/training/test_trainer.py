@@ -55,7 +55,8 @@ def setup(tmp_path_factory):
                 train=dict(presets.DSPARK_TRAIN, data_dir=({str(root / "data")!r},),
                            max_steps=8, global_batch_size=2, pack_length=96,
                            anchors_per_row=8, anchor_chunk=4, learning_rate=3e-3,
-                           log_every=1, checkpoint_every=1, keep_checkpoints=2))
+                           log_every=1, checkpoint_every=1, keep_checkpoints=2,
+                           heldout_dir=({str(root / "data")!r},), heldout_every=4))
     '''))
     return root, config
 
@@ -224,3 +225,11 @@ def test_heldout_metrics_of_the_trained_drafter(setup, uninterrupted):
     assert after["valid_blocks"] == before["valid_blocks"] > 0  # the same anchors
     assert after["loss"] < before["loss"]
     assert heldout_metrics(trained, root / "data", config.train, progress=False) == after
+    # The run's learning curve: steps 0, 4 and 8 on the same epoch, with W2 zeroed too.
+    curve = [json.loads(line) for line in open(uninterrupted / "heldout.jsonl")]
+    assert [r["step"] for r in curve] == [0, 4, 8]
+    for key in ("loss", "tau_probabilistic", "valid_blocks"):
+        assert curve[0][key] == pytest.approx(before[key], rel=1e-5)
+        assert curve[-1][key] == pytest.approx(after[key], rel=1e-5)
+    zeroed = curve[-1]["w2_zero"]
+    assert zeroed["valid_blocks"] == after["valid_blocks"] and zeroed["loss"] != after["loss"]

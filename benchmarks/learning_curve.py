@@ -1,0 +1,90 @@
+"""The learning curve of a training run (issue 18): held-out metrics against steps, with a plot.
+
+    python benchmarks/learning_curve.py --workdir runs/campaign_dspark [--label dspark] \
+        [--workdir runs/campaign_dflash --label dflash]
+
+Reads each run's ``heldout.jsonl`` (written by the trainer when ``train.heldout_dir`` is set:
+one epoch of the held-out folders, the same anchors at every evaluation) and ``metrics.jsonl``
+(training batches). Prints a Markdown table per run (held-out tau_probabilistic, accept_rate@0,
+@1, @3, and tau with the Markov head zeroed, W2 = 0, where the run has one) and writes
+``benchmarks/results/learning_curve.json`` and ``.png`` (held-out tau and tau with W2 = 0 against
+steps; training-batch tau behind them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from _common import ROOT, cpu_name
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file; for repeated steps (a resumed run) the last one wins."""
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist (train with --train.heldout_dir=... to write it)")
+    by_step = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", action="append", required=True)
+    parser.add_argument("--label", action="append", default=[])
+    parser.add_argument("--output", default=str(ROOT / "benchmarks/results/learning_curve.json"))
+    args = parser.parse_args(argv)
+    labels = args.label + [Path(w).name for w in args.workdir[len(args.label):]]
+    runs = {}
+    for label, workdir in zip(labels, map(Path, args.workdir)):
+        heldout = read_jsonl(workdir / "heldout.jsonl")
+        train_metrics = read_jsonl(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
+        runs[label] = dict(workdir=str(workdir), heldout=heldout,
+                           train=[(r["step"], r["tau_probabilistic"]) for r in train_metrics])
+        print(f"\n{label} ({workdir}):\n")
+        print("| step | tau | accept@0 | accept@1 | accept@3 | tau, W2 = 0 |")
+        print("|---|---|---|---|---|---|")
+        for r in heldout:
+            zero = r.get("w2_zero", {}).get("tau_probabilistic")
+            print(f"| {r['step']} | {r['tau_probabilistic']:.4f} | {r['accept_rate@0']:.4f} | "
+                  f"{r['accept_rate@1']:.4f} | {r['accept_rate@3']:.4f} | "
+                  + (f"{zero:.4f}" if zero is not None else "-") + " |")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, run) in enumerate(runs.items()):
+        color = f"C{i}"
+        steps = [r["step"] for r in run["heldout"]]
+        ax.plot(steps, [r["tau_probabilistic"] for r in run["heldout"]], "o-", color=color,
+                label=f"{label}: held-out")
+        zero = [(r["step"], r["w2_zero"]["tau_probabilistic"]) for r in run["heldout"] if "w2_zero" in r]
+        if zero:
+            ax.plot(*zip(*zero), "s--", color=color, alpha=0.7, label=f"{label}: held-out, W2 = 0")
+        if run["train"]:
+            ax.plot(*zip(*run["train"]), color=color, alpha=0.25, label=f"{label}: training batches")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tau_probabilistic (teacher-forced, block 7)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    out.write_text(json.dumps(dict(machine=cpu_name(), date=time.strftime("%Y-%m-%d"), runs=runs),
+                              indent=1))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
