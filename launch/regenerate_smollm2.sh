@@ -24,12 +24,13 @@ domain() {  # name, first prompt, count, extra prepare-data arguments
 
 for round in $(seq 1 "$ROUNDS"); do
   n=$((round * PER_ROUND))
+  if [ "$round" -le 2 ]; then  # the held-out splits first: 32 prompts each, then 64
+    h=$((round * 32))
+    domain heldout_math 2000 "$h" --prompts "$SHARED/math_prompts.jsonl"
+    domain heldout_code 3000 "$h" --prompts "$SHARED/sharegpt_prompts.jsonl" --select code
+    domain heldout_chat 12000 "$h" --prompts "$SHARED/sharegpt_prompts.jsonl" --select chat
+  fi
   domain math 0 "$n" --prompts "$SHARED/math_prompts.jsonl"
   domain code 0 "$n" --prompts "$SHARED/sharegpt_prompts.jsonl" --select code
   domain chat 0 "$n" --prompts "$SHARED/sharegpt_prompts.jsonl" --select chat
-  if [ "$round" -eq 1 ]; then
-    domain heldout_math 2000 64 --prompts "$SHARED/math_prompts.jsonl"
-    domain heldout_code 3000 64 --prompts "$SHARED/sharegpt_prompts.jsonl" --select code
-    domain heldout_chat 12000 64 --prompts "$SHARED/sharegpt_prompts.jsonl" --select chat
-  fi
 done

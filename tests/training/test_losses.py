@@ -102,7 +102,10 @@ def test_confidence_label_is_detached(example):
     assert not np.any(g_draft) and not np.any(g_target)
 
 
-@pytest.fixture(scope="module", params=["markov", "gated", "rnn", "none"])
+@pytest.fixture(scope="module", params=[
+    "markov", "none",
+    # the gated and RNN heads differ only in how their latents are made (plain autodiff)
+    pytest.param("gated", marks=pytest.mark.slow), pytest.param("rnn", marks=pytest.mark.slow)])
 def model_case(request):
     target = init_target(TINY, seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4,
