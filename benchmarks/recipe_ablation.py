@@ -11,13 +11,15 @@
 
 Every variant trains ``--steps`` steps from the same config, data snapshot, seed and anchors,
 differing only in its overrides (``path=value`` pairs separated by commas outside brackets).
-Before training, the data folders are frozen into ``WORKDIR/data`` (hard links of the shards
-present now and their manifest), so a data job still writing to them changes nothing; a rerun
-reuses the snapshot and resumes each variant from its checkpoints. For each variant the trainer's
-learning curve (``train.heldout_dir``: one epoch of ``--heldout``, the same anchors for all)
-gives the held-out metrics at step 0 (the recipe's initialisation) and at the end, and the end
-again with the Markov head zeroed (W2 = 0: what the head contributes). Writes ``WORKDIR/ablation.json``, ``benchmarks/results/recipe_ablation.json``,
-a Markdown table and ``benchmarks/results/recipe_ablation.png`` (training-batch tau against steps).
+Before training, the data and held-out folders are frozen into ``WORKDIR/data`` and
+``WORKDIR/heldout`` (hard links of the shards present now and their manifest), so a data job
+still writing to them changes nothing; a rerun reuses the snapshots and resumes each variant
+from its checkpoints. For each variant the trainer's learning curve (``train.heldout_dir``: one
+epoch of the held-out snapshot, the same anchors for all) gives the held-out metrics at step 0
+(the recipe's initialisation) and at the end, and the end again with the Markov head zeroed
+(W2 = 0: what the head contributes). Writes ``WORKDIR/ablation.json``,
+``benchmarks/results/recipe_ablation.json``, a Markdown table and
+``benchmarks/results/recipe_ablation.png`` (training-batch tau against steps).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     data = snapshot(args.data, workdir / "data")
+    heldout = snapshot(args.heldout, workdir / "heldout")
     results = {}
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
                                  f"train.max_steps={args.steps}",
                                  f"train.data_dir={tuple(data)!r}",
                                  f"train.feature_dir={tuple(args.feature_dir)!r}",
-                                 f"train.heldout_dir={tuple(args.heldout)!r}",
+                                 f"train.heldout_dir={tuple(heldout)!r}",
                                  "train.heldout_every=0"])
         run = workdir / name
         began = time.perf_counter()
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
     record = dict(command=" ".join(["python", "benchmarks/recipe_ablation.py"] + list(argv or sys.argv[1:])),
                   machine=cpu_name(), date=time.strftime("%Y-%m-%d"), steps=args.steps,
                   data={d: load_manifest(d)["num_loss_tokens"] for d in data},
-                  heldout=args.heldout, results=results)
+                  heldout={d: load_manifest(d)["num_loss_tokens"] for d in heldout}, results=results)
     for path in (workdir / "ablation.json", Path(args.output)):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))

@@ -10,10 +10,11 @@ from pathlib import Path
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
 # Errors that mean bad input: a one-line message and exit status 2. Our argument and input checks
 # raise ValueError, and so do the project's own error types (CheckpointError and
-# UnsupportedModelError subclass it). Anything else, a TypeError from a bug included, keeps its
+# UnsupportedModelError subclass it); a missing input folder or file (a data folder without
+# its manifest, say) is a FileNotFoundError. Anything else, a TypeError from a bug included, keeps its
 # traceback. (The library's deliberate TypeError, generate's "prompts must be a list of
 # strings", cannot come from here: the commands always pass a list of --prompt strings.)
-USER_ERRORS = (ValueError,)
+USER_ERRORS = (ValueError, FileNotFoundError)
 
 
 def _dtype(name):

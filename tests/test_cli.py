@@ -115,3 +115,13 @@ def test_training_commands_name_missing_inputs(tmp_path, capsys):
                      "--workdir", str(tmp_path / "w")]) == 2
     err = capsys.readouterr().err
     assert "target is required" in err and "train.data_dir is required" in err
+
+
+def test_missing_data_folder_is_one_line(smollm2, tmp_path, capsys):
+    """A data folder without a manifest: exit status 2 and the message, no traceback."""
+    config = str(Path(__file__).parents[1] / "configs" / "dspark_smollm2_135m.py")
+    assert cli.main(["prepare-features", "--config", config, "--data", str(tmp_path),
+                     "--output", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert f"dspark-jax prepare-features: error: no manifest.json in {tmp_path}" in err
+    assert "Traceback" not in err
