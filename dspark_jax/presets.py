@@ -43,6 +43,8 @@ DSPARK_TRAIN = dict(
     anchor_chunk=32,        # anchors per chunk of full-vocabulary logits
     mesh_shape=(-1, 1, 1),  # (data, fsdp, tensor)
     seed=0,
+    init_from="",           # a saved drafter to start from (a warm start: new optimizer and
+                            # schedule); "": init_drafter and the recipe's initialisation
     log_every=10,
     checkpoint_every=500,
     keep_checkpoints=3,

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 from dspark_jax import sharding
-from dspark_jax.drafter import Drafter, init_drafter
+from dspark_jax.drafter import Drafter, init_drafter, load_drafter
 from dspark_jax.target import load_target
 from dspark_jax.training import recipe, step as train_step
 from dspark_jax.training.features import cache_key
@@ -131,6 +131,25 @@ class _Logger:
                     self.tb.add_scalar(k, v, record["step"])
 
 
+def warm_start_params(path: str, drafter: Drafter):
+    """The parameters of a saved drafter (``train.init_from``) to start a run from, checked
+    against the run's drafter: same config (anchors per sequence aside) and tensor shapes.
+
+    A warm start is a new run: the optimizer state and the learning-rate schedule start over.
+    """
+    loaded = load_drafter(path, drafter.target)
+    mine = {k: v for k, v in drafter.config.items() if k != "num_anchors"}
+    theirs = {k: v for k, v in loaded.config.items() if k != "num_anchors"}
+    if mine != theirs:
+        diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+        raise ValueError(f"train.init_from {path}: its drafter config differs in "
+                         + ", ".join(f"{k} ({theirs.get(k)!r}, the run has {mine[k]!r})" for k in diff))
+    shapes = lambda state: jax.tree.map(lambda x: (x.shape, str(x.dtype)), state)
+    if shapes(loaded.state) != shapes(drafter.state):
+        raise ValueError(f"train.init_from {path}: its tensors differ from the run's drafter")
+    return loaded.state
+
+
 class _HeldOutCurve:
     """The learning curve: held-out metrics at steps, with the Markov head zeroed too, appended
     to ``workdir/heldout.jsonl`` (one record per evaluation; process 0 writes)."""
@@ -186,8 +205,14 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
         options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints,
                                              enable_async_checkpointing=True))
     start = manager.latest_step() or 0
-    params = drafter.state if start else recipe.initial_state(
-        drafter.state, drafter.config, target.state, tcfg, _data_dirs(tcfg))
+    if start:
+        params = drafter.state  # replaced by the checkpoint below
+    elif tcfg.get("init_from"):
+        with jax.set_mesh(mesh):
+            params = warm_start_params(tcfg.init_from, drafter)
+    else:
+        params = recipe.initial_state(drafter.state, drafter.config, target.state, tcfg,
+                                      _data_dirs(tcfg))
     optimizer = train_step.make_optimizer(tcfg, steps)
     state = train_step.init_train_state(params, optimizer, mesh)
     step_fn = train_step.make_train_step(

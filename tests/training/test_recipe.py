@@ -172,3 +172,18 @@ def test_lr_multipliers_scale_one_group():
     assert not np.asarray(scaled["fc"]["w"]).any() and np.asarray(base["fc"]["w"]).all()
     with pytest.raises(ValueError, match="unknown parameter group"):
         make_optimizer(_train_cfg(lr_multipliers=(("markov", 2.0),)), 10).init(params)
+
+
+def test_warm_start_loads_a_saved_drafter_of_the_same_config(drafter, target, tmp_path):
+    from dspark_jax.training.trainer import warm_start_params
+
+    drafter.save(tmp_path / "saved", layout="deepspec")
+    params = warm_start_params(str(tmp_path / "saved"), drafter)
+    got, want = _flat(params), _flat(drafter.state)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    other = dspark_jax.init_drafter(target, target_layer_ids=(0, 2), mask_token_id=23,
+                                    block_size=5, num_layers=2, markov_rank=6, head="markov")
+    with pytest.raises(ValueError, match=r"differs in block_size \(4, the run has 5\)"):
+        warm_start_params(str(tmp_path / "saved"), other)
