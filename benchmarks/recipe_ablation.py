@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--feature-dir", nargs="*", default=(),
                         help="feature caches of --data (same order), made from the snapshot")
     parser.add_argument("--heldout", nargs="+", required=True)
+    parser.add_argument("--heldout-feature-dir", nargs="*", default=(),
+                        help="feature caches of the held-out snapshot (same order)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--workdir", default="runs/ablation")
     parser.add_argument("--variant", action="append", required=True, help="NAME=overrides")
@@ -122,6 +124,7 @@ def main(argv=None) -> int:
                                  f"train.data_dir={tuple(data)!r}",
                                  f"train.feature_dir={tuple(args.feature_dir)!r}",
                                  f"train.heldout_dir={tuple(heldout)!r}",
+                                 f"train.heldout_feature_dir={tuple(args.heldout_feature_dir)!r}",
                                  "train.heldout_every=0"])
         run = workdir / name
         began = time.perf_counter()

@@ -49,6 +49,7 @@ DSPARK_TRAIN = dict(
     checkpoint_every=500,
     keep_checkpoints=3,
     heldout_dir=(),         # held-out prepare-data folders for the learning curve (heldout.jsonl)
+    heldout_feature_dir=(), # their feature caches (optional, one per heldout_dir): a cheap curve
     heldout_every=0,        # evaluate every this many steps (0: only at step 0 and at the end)
     heldout_batches=0)      # batches of the held-out epoch to use (0: all)
 # DFlash trains with cross-entropy only.

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from dspark_jax.drafter import Drafter
 from dspark_jax.training import losses
 from dspark_jax.training import step as train_step
+from dspark_jax.training.features import cache_key
 from dspark_jax.training.pipeline import make_pipeline
 
 
@@ -33,18 +34,22 @@ class HeldOut:
         anchor_chunk); ``batch_size`` defaults to ``train_cfg.global_batch_size``.
       seed: packing and anchor seed (keep it fixed to compare drafters on the same anchors).
       max_batches: keep only the first batches of the epoch (None: the whole epoch).
+      feature_dir: feature caches of ``data_dir`` (``prepare-features``, one per folder, same
+        order): the evaluation then skips the target forward, which dominates its cost.
     """
 
     def __init__(self, drafter: Drafter, data_dir: str | os.PathLike | Sequence[str | os.PathLike],
                  train_cfg, *, batch_size: int | None = None, seed: int = 0,
-                 max_batches: int | None = None):
+                 max_batches: int | None = None,
+                 feature_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None):
         target = drafter.target
         cfg = drafter.config
         data = make_pipeline(data_dir, batch_size=batch_size or train_cfg.global_batch_size,
                              pack_length=train_cfg.pack_length,
                              anchors_per_row=train_cfg.anchors_per_row,
                              anchors_per_sequence=cfg.num_anchors, block_size=cfg.block_size,
-                             seed=seed)
+                             seed=seed, feature_dir=feature_dir or None,
+                             feature_key=cache_key(target, cfg.target_layer_ids) if feature_dir else None)
         self.batches = []
         while data.epoch == 0 and (max_batches is None or len(self.batches) < max_batches):
             self.batches.append(next(data))

@@ -155,8 +155,10 @@ class _HeldOutCurve:
     to ``workdir/heldout.jsonl`` (one record per evaluation; process 0 writes)."""
 
     def __init__(self, drafter: Drafter, tcfg, workdir: Path):
+        features = tcfg.get("heldout_feature_dir", ())
         self.heldout = HeldOut(drafter, list(tcfg.heldout_dir), tcfg,
-                               max_batches=int(tcfg.get("heldout_batches", 0)) or None)
+                               max_batches=int(tcfg.get("heldout_batches", 0)) or None,
+                               feature_dir=[features] if isinstance(features, str) else list(features))
         self.zero_w2 = drafter.config.head == "markov"
         self.path = workdir / "heldout.jsonl"
 

@@ -302,3 +302,22 @@ def test_cli_and_trainer_with_cache(tmp_path):
     cfg.drafter.target_layer_ids = (1, 2)
     with pytest.raises(ValueError, match="tap_layer_ids"):
         train(cfg, tmp_path / "wrong_taps", progress=False)
+
+
+def test_heldout_metrics_from_the_cache_equal_online(models, cache):
+    """``HeldOut`` over cached features: the same epoch and metrics as with the target online."""
+    from dspark_jax.training.heldout import HeldOut
+
+    _, drafter = models
+    data_dir, feature_dir = cache
+    cfg = ConfigDict(dict(CFG, global_batch_size=PIPE["batch_size"], pack_length=PIPE["pack_length"],
+                          anchors_per_row=PIPE["anchors_per_row"], anchor_chunk=2))
+    online_epoch, cached_epoch = HeldOut(drafter, data_dir, cfg), HeldOut(
+        drafter, data_dir, cfg, feature_dir=feature_dir)
+    assert "taps" in cached_epoch.batches[0] and "taps" not in online_epoch.batches[0]
+    online = online_epoch.metrics(drafter.state, progress=False)
+    cached = cached_epoch.metrics(drafter.state, progress=False)
+    assert cached["batches"] == online["batches"] >= 2
+    assert cached["valid_blocks"] == online["valid_blocks"] > 0
+    for key in ("loss", "tau_probabilistic", "accept_rate@0"):
+        assert cached[key] == pytest.approx(online[key], rel=1e-5), key
