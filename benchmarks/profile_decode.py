@@ -63,7 +63,7 @@ def main():
     steps = max(1, results[0].stats["steps"])
 
     # The decode program's compiled HLO (the only program compiled here), for output shapes.
-    (compiled,) = generation._PROGRAMS._cache.values()
+    (compiled,) = generation.compiled_programs()
     hlo = compiled.as_text()
     (args.workdir / "decode.hlo").write_text(hlo)
     shapes = dict(re.findall(r"%(\S+) = (\S+) ", hlo))

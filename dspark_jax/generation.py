@@ -98,6 +98,16 @@ class _Programs:
 _PROGRAMS = _Programs()
 
 
+def compiled_programs() -> list:
+    """The decode programs ``generate`` has compiled so far (``jax.stages.Compiled``, in order)."""
+    return list(_PROGRAMS._cache.values())
+
+
+def clear_compiled_programs() -> None:
+    """Forgets every compiled decode program (and JAX's trace caches, so code changes apply)."""
+    _PROGRAMS.clear()
+
+
 def _shardings(state) -> tuple:
     return tuple(leaf.sharding for leaf in jax.tree.leaves(state))
 

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(r'''
                 gen = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=6)]
             except Exception as e:
                 gen = f"{type(e).__name__}: {str(e)[:300]}"
-            generation._PROGRAMS._cache.clear()
+            generation.clear_compiled_programs()
             gen_fresh = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=6)]
         real = mask.astype(bool)
         specs = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +207,26 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return out.reshape(b, t, h, d)
 
 
+def softmax_parts(scores: Sequence[jax.Array]) -> list[jax.Array]:
+    """One softmax over several score arrays as if concatenated on their last axis.
+
+    Masked entries are -inf; a row with no finite entry gets all-zero weights (not NaN). The
+    attention cores use it to attend to keys held in separate arrays without concatenating them.
+
+    Args:
+      scores: float32 arrays [..., S_i] with the same leading shape.
+
+    Returns:
+      The weights [..., S_i] of each part; over all parts a row sums to 1 (or 0).
+    """
+    peak = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = [jnp.exp(s - peak) for s in scores]  # masked entries are exp(-inf) = 0
+    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    return [w / denom for w in weights]
+
+
 def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_visible: jax.Array,
                   k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array) -> jax.Array:
     """Attention of new tokens over a KV cache and over each other, without concatenating them.
@@ -236,14 +257,8 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
         s = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32) * (d ** -0.5)
         s = s.reshape(b, kv, t, g, -1)
         scores.append(jnp.where(visible[:, None, :, None, :], s, -jnp.inf))
-    peak = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = [jnp.exp(s - peak) for s in scores]  # masked entries are exp(-inf) = 0
-    denom = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    denom = jnp.where(denom > 0, denom, 1.0)
-    out = sum(jnp.einsum("bkqs,bksd->bkqd", (w / denom).reshape(b, kv, t * g, -1).astype(values.dtype),
-                         values)
-              for w, (_, values, _) in zip(weights, parts))
+    out = sum(jnp.einsum("bkqs,bksd->bkqd", w.reshape(b, kv, t * g, -1).astype(values.dtype), values)
+              for w, (_, values, _) in zip(softmax_parts(scores), parts))
     return out.reshape(b, kv, t, g, d).swapaxes(1, 2).reshape(b, t, h, d)
 
 
@@ -277,18 +292,10 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
                        k_block.reshape(b, n, block_size, kv, d),
                        preferred_element_type=jnp.float32) * scale
     s_blk = s_blk.reshape(b, kv, g, t, block_size)
-    vis_ctx = ctx_mask[:, None, None]
-    vis_blk = block_keep[:, None, None, :, None]
-    s_ctx = jnp.where(vis_ctx, s_ctx, -jnp.inf)
-    s_blk = jnp.where(vis_blk, s_blk, -jnp.inf)
-    peak = jnp.maximum(jnp.max(s_ctx, axis=-1, keepdims=True), jnp.max(s_blk, axis=-1, keepdims=True))
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    w_ctx = jnp.where(vis_ctx, jnp.exp(s_ctx - peak), 0.0)
-    w_blk = jnp.where(vis_blk, jnp.exp(s_blk - peak), 0.0)
-    denom = jnp.sum(w_ctx, axis=-1, keepdims=True) + jnp.sum(w_blk, axis=-1, keepdims=True)
-    denom = jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bksd->btkgd", (w_ctx / denom).astype(v_ctx.dtype), v_ctx)
-    w_blk = (w_blk / denom).astype(v_block.dtype).reshape(b, kv, g, n, block_size, block_size)
+    w_ctx, w_blk = softmax_parts([jnp.where(ctx_mask[:, None, None], s_ctx, -jnp.inf),
+                                  jnp.where(block_keep[:, None, None, :, None], s_blk, -jnp.inf)])
+    out = jnp.einsum("bkgts,bksd->btkgd", w_ctx.astype(v_ctx.dtype), v_ctx)
+    w_blk = w_blk.astype(v_block.dtype).reshape(b, kv, g, n, block_size, block_size)
     out_blk = jnp.einsum("bkgnij,bnjkd->bnikgd", w_blk, v_block.reshape(b, n, block_size, kv, d))
     return (out + out_blk.reshape(b, t, kv, g, d)).reshape(b, t, h, d)
 

@@ -97,7 +97,7 @@ def test_compiles_once_and_traces_each_bucket_once(qwen3, monkeypatch):
         return original(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(Decoder, "__call__", recording)
-    generation._PROGRAMS.clear()
+    generation.clear_compiled_programs()
     lengths = set()
     for i, threshold in enumerate((0.3, 0.45, 0.5, 0.55, 0.7)):
         res = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=20, drafter=drafter,
@@ -199,11 +199,11 @@ def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
 def test_broken_sampler_fails_the_law_test(law_models, monkeypatch):
     target, drafter = law_models
     monkeypatch.setattr(speculative.rejection, "rejection_sample", _broken_rejection)
-    generation._PROGRAMS.clear()
+    generation.clear_compiled_programs()
     try:
         chi2, dof, bound, _ = _law_chi2(target, drafter, 8000)  # ~2x the bound at this size
     finally:
-        generation._PROGRAMS.clear()
+        generation.clear_compiled_programs()
     assert chi2 > bound, (chi2, dof)
 
 
