@@ -29,6 +29,7 @@ import json
 import os
 import re
 import time
+import zlib
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -275,5 +276,96 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
         _add_shard(manifest, name, samples, shard_start, shard_stop)
         write_manifest(out, manifest)
     bar.close()
+    write_manifest(out, manifest)
+    return manifest
+
+
+ANSWERS_FORMAT = "dspark-jax-answers-v1"
+
+
+def _selected_prompts(files: Sequence[str | os.PathLike], settings: dict) -> list[str]:
+    """The prompt list ``prepare_data`` indexed samples by: selection, then ``first_prompt``."""
+    prompts = read_prompts(files)
+    if settings.get("select") is not None:
+        prompts = [p for p in prompts if PROMPT_SELECTIONS[settings["select"]](p)]
+    return prompts[settings.get("first_prompt", 0):]
+
+
+def export_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> dict:
+    """Writes a data folder's generated answers without its prompts to one ``.npz`` file.
+
+    The prompts come from shared prompt sets that must not be copied anywhere (the answers
+    are the target's own outputs): the file holds, per sample, its prompt index and its answer
+    tokens (as truncated), and the manifest; :func:`import_answers` rebuilds the folder, byte
+    for byte, from it and the prompt files. Returns the manifest.
+    """
+    manifest = load_manifest(data_dir)
+    if manifest is None:
+        raise FileNotFoundError(f"no manifest.json in {data_dir}: not a prepare-data folder")
+    answers, offsets, index, shard_of, checksums = [], [0], [], [], []
+    for number, entry in enumerate(manifest["files"]):
+        shard = read_shard(Path(data_dir) / entry["file"])
+        checksums.append(zlib.crc32(shard["tokens"].astype(np.int32).tobytes()))
+        o = shard["offsets"]
+        for i, prompt_index in enumerate(shard["prompt_index"]):
+            mask = shard["loss_mask"][o[i]:o[i + 1]]
+            answer = shard["tokens"][o[i]:o[i + 1]][int(np.argmax(mask > 0)):]
+            answers.append(answer)
+            offsets.append(offsets[-1] + len(answer))
+            index.append(int(prompt_index))
+            shard_of.append(number)
+    arrays = dict(format=np.asarray(ANSWERS_FORMAT), manifest=np.asarray(json.dumps(manifest)),
+                  answers=np.concatenate(answers or [np.zeros(0, np.int32)]).astype(np.int32),
+                  offsets=np.asarray(offsets, np.int64), prompt_index=np.asarray(index, np.int64),
+                  shard=np.asarray(shard_of, np.int64), tokens_crc32=np.asarray(checksums, np.int64))
+    _atomic_write(Path(path), lambda f: np.savez_compressed(f, **arrays))
+    return manifest
+
+
+def import_answers(target: Target, path: str | os.PathLike, prompt_files: Sequence[str | os.PathLike],
+                   out_dir: str | os.PathLike) -> dict:
+    """Rebuilds a prepare-data folder from :func:`export_answers`' file and the prompt files.
+
+    Each sample is the chat template of its prompt (``target``'s tokenizer) followed by its
+    answer, as ``prepare_data`` built it; shards and manifest are those of the exported folder,
+    with the prompt files' paths of this machine, so ``prepare_data`` resumes the folder.
+
+    Raises:
+      ValueError: not an answers file, other prompt files (count or text), or a rebuilt sample
+        that differs from the exported one (another tokenizer or chat template).
+    """
+    with np.load(path) as f:
+        if "format" not in f.files or str(f["format"]) != ANSWERS_FORMAT:
+            raise ValueError(f"{path} is not a dspark-jax answers file")
+        manifest = json.loads(str(f["manifest"]))
+        answers, offsets = f["answers"], f["offsets"]
+        index, shard_of, checksums = f["prompt_index"], f["shard"], f["tokens_crc32"]
+    files = [str(Path(p).resolve()) for p in prompt_files]
+    records = [len(read_prompts([p])) for p in files]
+    if records != [s["records"] for s in manifest["sources"]]:
+        raise ValueError(f"{path} was generated from prompt files with "
+                         f"{[s['records'] for s in manifest['sources']]} records, "
+                         f"{', '.join(files)} have {records}")
+    prompts = _selected_prompts(files, manifest["settings"])
+    settings = manifest["settings"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_shard = [[] for _ in manifest["files"]]
+    for i, (prompt_index, number) in enumerate(zip(index, shard_of)):
+        answer = answers[offsets[i]:offsets[i + 1]]
+        sample = build_sample(chat_ids(target.tokenizer, prompts[int(prompt_index)]), answer,
+                              max_length=settings["max_length"],
+                              min_loss_tokens=settings["min_loss_tokens"])
+        if sample is None or int(sample[1].sum()) != len(answer):
+            raise ValueError(f"{path}: the sample of prompt {int(prompt_index)} does not rebuild "
+                             f"(another tokenizer or chat template?)")
+        per_shard[int(number)].append((int(prompt_index), *sample))
+    for entry, samples, checksum in zip(manifest["files"], per_shard, checksums):
+        tokens = np.concatenate([ids for _, ids, _ in samples] or [np.zeros(0, np.int32)])
+        if zlib.crc32(tokens.astype(np.int32).tobytes()) != int(checksum):
+            raise ValueError(f"{path}: shard {entry['file']} rebuilds with other tokens than "
+                             f"exported (other prompts, tokenizer or chat template?)")
+        write_shard(out / entry["file"], samples)
+    manifest["sources"] = [dict(path=p, records=n) for p, n in zip(files, records)]
     write_manifest(out, manifest)
     return manifest

@@ -172,3 +172,34 @@ def test_select_keeps_code_or_chat_prompts(smollm2, tmp_path, monkeypatch):
     assert chat["num_samples"] == 1
     with pytest.raises(ValueError, match="unknown prompt selection 'math'"):
         data.prepare_data(smollm2, [path], tmp_path / "x", select="math", progress=False)
+
+
+def test_answers_export_rebuilds_the_folder_without_the_prompts(smollm2, tmp_path, monkeypatch):
+    """export_answers keeps only the generated tokens; import_answers rebuilds every shard and
+    the manifest from them and the prompt files (which must not be copied anywhere)."""
+    prompts = [f"Question number {i}: what is {i} + {i}?" for i in range(7)] + ["Write Python code"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+
+    def fake_generate(target, prompt_ids, **kwargs):
+        return [GenerationResult(list(range(100 + len(ids), 100 + len(ids) + 30)), "", {})
+                for ids in prompt_ids]
+
+    monkeypatch.setattr(data, "generate", fake_generate)
+    made = data.prepare_data(smollm2, [path], tmp_path / "made", select="chat", first_prompt=1,
+                             batch_size=2, shard_size=4, max_length=64, progress=False)
+    assert made["num_samples"] == 6 and len(made["files"]) == 2  # answers truncated to 64 - 43
+    exported = tmp_path / "answers.npz"
+    data.export_answers(tmp_path / "made", exported)
+    with np.load(exported) as f:
+        assert len(f["answers"]) == made["num_loss_tokens"]  # answers only, no prompt tokens
+    rebuilt = data.import_answers(smollm2, exported, [path], tmp_path / "rebuilt")
+    assert rebuilt == made
+    for entry in made["files"]:
+        a, b = (data.read_shard(tmp_path / d / entry["file"]) for d in ("made", "rebuilt"))
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": p + "!"}) + "\n" for p in prompts))
+    with pytest.raises(ValueError, match="does not rebuild|other tokens"):
+        data.import_answers(smollm2, exported, [other], tmp_path / "bad")
