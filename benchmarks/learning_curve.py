@@ -1,7 +1,7 @@
 """The learning curve of a training run (issue 18): held-out metrics against steps, with a plot.
 
     python benchmarks/learning_curve.py --workdir runs/campaign_dspark [--label dspark] \
-        [--workdir runs/campaign_dflash --label dflash]
+        [--offset STEPS] [--workdir runs/campaign_dflash --label dflash]
 
 Reads each run's ``heldout.jsonl`` (written by the trainer when ``train.heldout_dir`` is set:
 one epoch of the held-out folders, the same anchors at every evaluation) and ``metrics.jsonl``
@@ -38,13 +38,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", action="append", required=True)
     parser.add_argument("--label", action="append", default=[])
+    parser.add_argument("--offset", action="append", type=int, default=[],
+                        help="steps before each run's step 0 (a warm start), one per --workdir")
     parser.add_argument("--output", default=str(ROOT / "benchmarks/results/learning_curve.json"))
     args = parser.parse_args(argv)
     labels = args.label + [Path(w).name for w in args.workdir[len(args.label):]]
+    offsets = args.offset + [0] * (len(args.workdir) - len(args.offset))
     runs = {}
-    for label, workdir in zip(labels, map(Path, args.workdir)):
-        heldout = read_jsonl(workdir / "heldout.jsonl")
-        train_metrics = read_jsonl(workdir / "metrics.jsonl") if (workdir / "metrics.jsonl").exists() else []
+    for label, workdir, offset in zip(labels, map(Path, args.workdir), offsets):
+        heldout = [dict(r, step=r["step"] + offset) for r in read_jsonl(workdir / "heldout.jsonl")]
+        train_metrics = [dict(r, step=r["step"] + offset) for r in read_jsonl(workdir / "metrics.jsonl")
+                         ] if (workdir / "metrics.jsonl").exists() else []
         runs[label] = dict(workdir=str(workdir), heldout=heldout,
                            train=[(r["step"], r["tau_probabilistic"]) for r in train_metrics])
         print(f"\n{label} ({workdir}):\n")
