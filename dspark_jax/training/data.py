@@ -74,6 +74,24 @@ def _prompt_text(record: dict, where: str) -> str:
     raise ValueError(f"{where}: expected a 'turns' list or a 'prompt' field")
 
 
+def selected_prompts(prompts: list[str], select: str | None, first_prompt: int, *,
+                     where: str) -> list[str]:
+    """The prompts ``prepare_data`` indexes samples by: the ``select`` subset
+    (``PROMPT_SELECTIONS``; None keeps all), from ``first_prompt`` on.
+
+    Raises:
+      ValueError: unknown selection, or ``first_prompt`` outside the selected prompts of ``where``.
+    """
+    if select is not None:
+        if select not in PROMPT_SELECTIONS:
+            raise ValueError(f"unknown prompt selection {select!r}; known: "
+                             f"{', '.join(sorted(PROMPT_SELECTIONS))}")
+        prompts = [p for p in prompts if PROMPT_SELECTIONS[select](p)]
+    if not 0 <= first_prompt < len(prompts):
+        raise ValueError(f"first_prompt {first_prompt} is outside the {len(prompts)} prompts of {where}")
+    return prompts[first_prompt:]
+
+
 def build_sample(prompt_ids: Sequence[int], answer_ids: Sequence[int], *, max_length: int,
                  min_loss_tokens: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(input_ids int32 [S], loss_mask uint8 [S]) of one conversation, or None when dropped.
@@ -104,15 +122,26 @@ def _atomic_write(path: Path, write: Callable) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(path: Path, samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> None:
-    """Writes (prompt_index, input_ids [S], loss_mask [S]) samples as one shard (format above)."""
+def shard_arrays(samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays of a shard (format above) of (prompt_index, input_ids [S], loss_mask [S]) samples."""
     lengths = [len(ids) for _, ids, _ in samples]
-    arrays = dict(
+    return dict(
         tokens=np.concatenate([ids for _, ids, _ in samples] or [[]]).astype(np.int32),
         loss_mask=np.concatenate([m for _, _, m in samples] or [[]]).astype(np.uint8),
         offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
         prompt_index=np.asarray([i for i, _, _ in samples], np.int64),
     )
+
+
+def tokens_crc32(shard: dict[str, np.ndarray]) -> int:
+    """Checksum of a data shard's token ids and sample offsets."""
+    crc = zlib.crc32(np.ascontiguousarray(shard["tokens"], np.int32).tobytes())
+    return zlib.crc32(np.ascontiguousarray(shard["offsets"], np.int64).tobytes(), crc)
+
+
+def write_shard(path: Path, samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> None:
+    """Writes (prompt_index, input_ids [S], loss_mask [S]) samples as one shard (format above)."""
+    arrays = shard_arrays(samples)
     _atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
@@ -233,16 +262,8 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     out.mkdir(parents=True, exist_ok=True)
     files = [str(Path(f).resolve()) for f in prompt_files]
     per_file = [read_prompts([f]) for f in files]
-    prompts = [p for file_prompts in per_file for p in file_prompts]
-    if select is not None:
-        if select not in PROMPT_SELECTIONS:
-            raise ValueError(f"unknown prompt selection {select!r}; known: "
-                             f"{', '.join(sorted(PROMPT_SELECTIONS))}")
-        prompts = [p for p in prompts if PROMPT_SELECTIONS[select](p)]
-    if not 0 <= first_prompt < len(prompts):
-        raise ValueError(f"first_prompt {first_prompt} is outside the {len(prompts)} prompts of "
-                         f"{', '.join(files)}")
-    prompts = prompts[first_prompt:]
+    prompts = selected_prompts([p for file_prompts in per_file for p in file_prompts], select,
+                               first_prompt, where=", ".join(files))
     sources = [dict(path=f, records=len(p)) for f, p in zip(files, per_file)]
     shard_size = -(-shard_size // batch_size) * batch_size
     settings = dict(target=target.name, vocab_size=int(target.config.vocab_size),
@@ -283,14 +304,6 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
 ANSWERS_FORMAT = "dspark-jax-answers-v1"
 
 
-def _selected_prompts(files: Sequence[str | os.PathLike], settings: dict) -> list[str]:
-    """The prompt list ``prepare_data`` indexed samples by: selection, then ``first_prompt``."""
-    prompts = read_prompts(files)
-    if settings.get("select") is not None:
-        prompts = [p for p in prompts if PROMPT_SELECTIONS[settings["select"]](p)]
-    return prompts[settings.get("first_prompt", 0):]
-
-
 def export_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> dict:
     """Writes a data folder's generated answers without its prompts to one ``.npz`` file.
 
@@ -305,7 +318,7 @@ def export_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> dict
     answers, offsets, index, shard_of, checksums = [], [0], [], [], []
     for number, entry in enumerate(manifest["files"]):
         shard = read_shard(Path(data_dir) / entry["file"])
-        checksums.append(zlib.crc32(shard["tokens"].astype(np.int32).tobytes()))
+        checksums.append(tokens_crc32(shard))
         o = shard["offsets"]
         for i, prompt_index in enumerate(shard["prompt_index"]):
             mask = shard["loss_mask"][o[i]:o[i + 1]]
@@ -346,8 +359,9 @@ def import_answers(target: Target, path: str | os.PathLike, prompt_files: Sequen
         raise ValueError(f"{path} was generated from prompt files with "
                          f"{[s['records'] for s in manifest['sources']]} records, "
                          f"{', '.join(files)} have {records}")
-    prompts = _selected_prompts(files, manifest["settings"])
     settings = manifest["settings"]
+    prompts = selected_prompts(read_prompts(files), settings.get("select"),
+                               settings.get("first_prompt", 0), where=", ".join(files))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     per_shard = [[] for _ in manifest["files"]]
@@ -361,8 +375,7 @@ def import_answers(target: Target, path: str | os.PathLike, prompt_files: Sequen
                              f"(another tokenizer or chat template?)")
         per_shard[int(number)].append((int(prompt_index), *sample))
     for entry, samples, checksum in zip(manifest["files"], per_shard, checksums):
-        tokens = np.concatenate([ids for _, ids, _ in samples] or [np.zeros(0, np.int32)])
-        if zlib.crc32(tokens.astype(np.int32).tobytes()) != int(checksum):
+        if tokens_crc32(shard_arrays(samples)) != int(checksum):
             raise ValueError(f"{path}: shard {entry['file']} rebuilds with other tokens than "
                              f"exported (other prompts, tokenizer or chat template?)")
         write_shard(out / entry["file"], samples)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 from pathlib import Path
 
 import jax
@@ -41,7 +40,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
 from dspark_jax.target import Target
-from dspark_jax.training.data import load_manifest, read_shard, write_manifest
+from dspark_jax.training.data import load_manifest, read_shard, tokens_crc32, write_manifest
 from dspark_jax.training.step import target_features
 
 FORMAT = "dspark-jax-features-v1"
@@ -63,12 +62,6 @@ def config_tap_layer_ids(config, target: Target) -> tuple[int, ...]:
     cfg = default_drafter_config(target.config, target.tokenizer, **fields)
     check_fit(cfg, target.config)
     return tuple(cfg.target_layer_ids)
-
-
-def tokens_crc32(shard: dict[str, np.ndarray]) -> int:
-    """Checksum of a data shard's token ids and sample offsets."""
-    crc = zlib.crc32(np.ascontiguousarray(shard["tokens"], np.int32).tobytes())
-    return zlib.crc32(np.ascontiguousarray(shard["offsets"], np.int64).tobytes(), crc)
 
 
 def check_key(manifest: dict, key: dict, where: str) -> None:

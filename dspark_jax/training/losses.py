@@ -130,16 +130,16 @@ def vocab_loss(h, latent, head, w2, t_logits, labels, c_ce, c_l1):
 
 
 def _vocab_loss_fwd(h, latent, head, w2, t_logits, labels, c_ce, c_l1):
-    out, grads = _vocab_terms(h, latent, head, w2, t_logits, labels, c_ce, c_l1)
-    return out, (grads, head, t_logits, labels, c_ce, c_l1)
+    # The residuals are the three small gradient pieces only: nothing [n, V] is kept.
+    return _vocab_terms(h, latent, head, w2, t_logits, labels, c_ce, c_l1)
 
 
-def _vocab_loss_bwd(res, cotangents):
-    (dh, dlatent, dw2), head, t_logits, labels, c_ce, c_l1 = res
+def _vocab_loss_bwd(grads, cotangents):
+    dh, dlatent, dw2 = grads
     dloss = cotangents[0]
-    zero = jnp.zeros_like
-    return (dloss.astype(dh.dtype) * dh, dloss.astype(dlatent.dtype) * dlatent, zero(head),
-            dloss.astype(dw2.dtype) * dw2, zero(t_logits), None, zero(c_ce), zero(c_l1))
+    # None: a zero cotangent for the frozen LM head, the target logits, labels and weights.
+    return (dloss.astype(dh.dtype) * dh, dloss.astype(dlatent.dtype) * dlatent, None,
+            dloss.astype(dw2.dtype) * dw2, None, None, None, None)
 
 
 vocab_loss.defvjp(_vocab_loss_fwd, _vocab_loss_bwd)
@@ -177,18 +177,17 @@ def chunked_vocab_terms(drafter: DrafterModel, target: Decoder, out: TrainOutput
         hidden, lat, labels, idx, wce, wl1 = xs
         rows = idx.reshape(idx.shape[0], -1)
         t_hidden = jnp.take_along_axis(target_hidden, rows[..., None], axis=1)
-        t_logits = jax.lax.stop_gradient(target.logits(t_hidden))
+        t_logits = target.logits(t_hidden)
         slots = idx.size
         loss, ce, l1 = vocab_loss(hidden.reshape(slots, -1), lat.reshape(slots, lat.shape[-1]),
                                   lm_head, w2, t_logits.reshape(slots, -1), labels.reshape(slots),
                                   wce.reshape(slots), wl1.reshape(slots))
         return loss, ce.reshape(idx.shape), l1.reshape(idx.shape)
 
-    xs = tuple(_split_chunks(x, chunk) for x in (out.hidden, latent, out.labels, index,
-                                                 jax.lax.stop_gradient(c_ce),
-                                                 jax.lax.stop_gradient(c_l1)))
+    xs = tuple(_split_chunks(x, chunk) for x in (out.hidden, latent, out.labels, index, c_ce, c_l1))
     loss, ce, l1 = jax.lax.map(terms, xs)
-    return loss.sum(), jax.lax.stop_gradient(_join_chunks(ce, n)), jax.lax.stop_gradient(_join_chunks(l1, n))
+    return (loss.sum(), jax.lax.stop_gradient(_join_chunks(ce, n)),
+            jax.lax.stop_gradient(_join_chunks(l1, n)))
 
 
 def slot_weights(eval_mask: jax.Array, first_proposal_slot: int,

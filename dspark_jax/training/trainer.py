@@ -41,9 +41,14 @@ def compute_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def _folders(train_cfg, field: str) -> list[str]:
+    """A train-config folder field (a path or a tuple of them) as a list ([] when unset)."""
+    dirs = train_cfg.get(field, ())
+    return [dirs] if isinstance(dirs, str) else list(dirs)
+
+
 def _data_dirs(train_cfg) -> list[str]:
-    dirs = train_cfg.data_dir
-    dirs = [dirs] if isinstance(dirs, str) else list(dirs)
+    dirs = _folders(train_cfg, "data_dir")
     if not dirs:
         raise ValueError("config.train.data_dir is empty: run `dspark-jax prepare-data` first")
     return dirs
@@ -51,9 +56,7 @@ def _data_dirs(train_cfg) -> list[str]:
 
 def _feature_dirs(train_cfg) -> list[str] | None:
     """The feature caches of ``train_cfg.feature_dir``, or None when it names none."""
-    dirs = train_cfg.get("feature_dir", ())
-    dirs = [dirs] if isinstance(dirs, str) else list(dirs)
-    return dirs or None
+    return _folders(train_cfg, "feature_dir") or None
 
 
 def _packing(train_cfg, drafter_config) -> dict:
@@ -155,10 +158,9 @@ class _HeldOutCurve:
     to ``workdir/heldout.jsonl`` (one record per evaluation; process 0 writes)."""
 
     def __init__(self, drafter: Drafter, tcfg, workdir: Path):
-        features = tcfg.get("heldout_feature_dir", ())
-        self.heldout = HeldOut(drafter, list(tcfg.heldout_dir), tcfg,
+        self.heldout = HeldOut(drafter, _folders(tcfg, "heldout_dir"), tcfg,
                                max_batches=int(tcfg.get("heldout_batches", 0)) or None,
-                               feature_dir=[features] if isinstance(features, str) else list(features))
+                               feature_dir=_folders(tcfg, "heldout_feature_dir"))
         self.zero_w2 = drafter.config.head == "markov"
         self.path = workdir / "heldout.jsonl"
 
@@ -231,7 +233,7 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
 
     logger = _Logger(workdir)
-    curve = _HeldOutCurve(drafter, tcfg, workdir) if tcfg.get("heldout_dir") else None
+    curve = _HeldOutCurve(drafter, tcfg, workdir) if _folders(tcfg, "heldout_dir") else None
     if curve is not None and start == 0:
         curve.evaluate(0, state.params)
     bar = tqdm(total=steps, initial=start, desc="train", unit="step",
