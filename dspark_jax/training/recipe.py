@@ -37,6 +37,9 @@ from flax import nnx
 from dspark_jax.training.data import load_manifest, read_shard
 
 MARKOV_INITS = ("reference", "zero_w2", "bigram")
+# Name paths of the Markov factors in a drafter's parameters.
+W1_PATH = ("markov_head", "markov_w1", "embedding")
+W2_PATH = ("markov_head", "markov_w2", "kernel")
 
 
 def bigram_counts(data_dirs: Sequence[str | os.PathLike], vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,17 +142,16 @@ def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.St
         if drafter_config.head != "markov":
             raise ValueError(f"train.markov_init {mode!r} needs the vanilla Markov head, the "
                              f"drafter has head {drafter_config.head!r}")
-        w1_path, w2_path = ("markov_head", "markov_w1", "embedding"), ("markov_head", "markov_w2", "kernel")
         vocab = drafter_state["markov_head"]["markov_w1"]["embedding"].shape[0]
         if mode == "zero_w2":
             rng = np.random.default_rng(int(train_cfg.seed))
-            new[w1_path] = rng.normal(0.0, float(train_cfg.markov_w1_scale), (vocab, rank))
-            new[w2_path] = np.zeros((rank, vocab))
+            new[W1_PATH] = rng.normal(0.0, float(train_cfg.markov_w1_scale), (vocab, rank))
+            new[W2_PATH] = np.zeros((rank, vocab))
         else:
             w1, w2 = bigram_factors(data_dirs, vocab, rank, smoothing=float(train_cfg.bigram_smoothing),
                                     seed=int(train_cfg.seed))
             root = np.sqrt(float(train_cfg.markov_scale))
-            new[w1_path], new[w2_path] = w1 * root, w2 * root
+            new[W1_PATH], new[W2_PATH] = w1 * root, w2 * root
     source = tuple(int(i) for i in train_cfg.get("draft_layers_from", ()))
     if source:
         if len(source) != drafter_config.num_layers:

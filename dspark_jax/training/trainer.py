@@ -168,8 +168,7 @@ class _HeldOutCurve:
         record = dict(step=step, **self.heldout.metrics(params, progress=False))
         if self.zero_w2:
             w2 = params["markov_head"]["markov_w2"]["kernel"]
-            zeroed = recipe.replace_params(params, {("markov_head", "markov_w2", "kernel"):
-                                                    np.zeros(w2.shape, np.float32)})
+            zeroed = recipe.replace_params(params, {recipe.W2_PATH: np.zeros(w2.shape, np.float32)})
             record["w2_zero"] = self.heldout.metrics(zeroed, progress=False)
         if jax.process_index() == 0:
             with open(self.path, "a") as f:
