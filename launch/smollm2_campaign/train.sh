@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The campaign's DSpark training run (issue 18), resumable on this machine and continuable on a
+# new one:
+#
+#   bash launch/smollm2_campaign/train.sh [STEPS] [WORKDIR]     # defaults: 500, runs/campaign
+#
+# 1. Freezes data/campaign (from `answers.py import` and `launch/regenerate_smollm2.sh`) into
+#    WORKDIR/data once (hard links: the data job may keep writing to data/campaign).
+# 2. Caches the target's features of the snapshot (`prepare-features`, resumable).
+# 3. Trains with the bigram-SVD Markov start (BENCHMARKS.md, recipe ablation), warm-starting from
+#    the committed drafter launch/smollm2_campaign/drafter when present; the held-out curve goes
+#    to WORKDIR/heldout.jsonl. A rerun with the same WORKDIR resumes from its Orbax checkpoints.
+# Afterwards: `dspark-jax convert --drafter WORKDIR/drafter --to deepspec --dtype bfloat16
+# --compact --output launch/smollm2_campaign/drafter` and commit it, so the next machine goes on.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+STEPS=${1:-500}
+WORK=${2:-runs/campaign}
+CONFIG=configs/dspark_smollm2_135m.py
+DOMAINS=(math code chat heldout_math heldout_code heldout_chat)
+for d in "${DOMAINS[@]}"; do
+  if [ ! -f "$WORK/data/$d/manifest.json" ]; then
+    mkdir -p "$WORK/data/$d.tmp"
+    cp data/campaign/$d/manifest.json "$WORK/data/$d.tmp/"   # first: it lists only finished shards
+    cp -l data/campaign/$d/shard_*.npz "$WORK/data/$d.tmp/"
+    mv "$WORK/data/$d.tmp" "$WORK/data/$d"
+  fi
+  dspark-jax prepare-features --config $CONFIG --data "$WORK/data/$d" --output "$WORK/features/$d"
+done
+tuple() { local out="("; for d in "$@"; do out+="'$WORK/$d',"; done; echo "$out)"; }
+INIT=()
+if [ -f launch/smollm2_campaign/drafter/config.json ]; then
+  INIT=(--train.init_from=launch/smollm2_campaign/drafter)
+else
+  INIT=(--train.markov_init=bigram)
+fi
+dspark-jax train --config $CONFIG --workdir "$WORK" "${INIT[@]}" --train.max_steps="$STEPS" \
+  --train.data_dir="$(tuple data/math data/code data/chat)" \
+  --train.feature_dir="$(tuple features/math features/code features/chat)" \
+  --train.heldout_dir="$(tuple data/heldout_math data/heldout_code data/heldout_chat)" \
+  --train.heldout_feature_dir="$(tuple features/heldout_math features/heldout_code features/heldout_chat)" \
+  --train.heldout_batches=8 --train.heldout_every=50 --train.checkpoint_every=25
