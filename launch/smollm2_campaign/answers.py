@@ -33,9 +33,18 @@ def main(argv=None) -> int:
 
     if args.direction == "export":
         ANSWERS.mkdir(exist_ok=True)
+        import json
+
+        import numpy as np
+
         for name in PROMPT_FILES:
-            if (Path(args.data) / name / "manifest.json").exists():
-                manifest = data.export_answers(Path(args.data) / name, ANSWERS / f"{name}.npz")
+            folder, file = Path(args.data) / name, ANSWERS / f"{name}.npz"
+            if (folder / "manifest.json").exists():
+                if file.exists():  # unchanged folders keep their file (no churn in git)
+                    with np.load(file) as f:
+                        if json.loads(str(f["manifest"])) == data.load_manifest(folder):
+                            continue
+                manifest = data.export_answers(folder, file)
                 print(f"{name}: {manifest['num_samples']} samples, {manifest['num_loss_tokens']} answer tokens")
         return 0
     import dspark_jax
