@@ -93,7 +93,7 @@ def main():
 
     import dspark_jax
     from dspark_jax.checkpoints import registry
-    from dspark_jax.generation import encode_prompts
+    from dspark_jax.prompts import encode_prompts
 
     target = dspark_jax.load_target(args.model)
     hf_folder = registry.converted_folder(args.model) if args.model in registry.REGISTRY else args.model

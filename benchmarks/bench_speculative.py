@@ -115,9 +115,9 @@ def main():
     sys.path.insert(0, str(ROOT))
     import dspark_jax
     from configs.dspark_smollm2_135m import get_config
-    from dspark_jax.decoding.autoregressive import SamplingParams
+    from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.drafter import init_drafter, load_drafter
-    from dspark_jax.generation import encode_prompts, prompt_bucket
+    from dspark_jax.prompts import encode_prompts, prompt_bucket
     from dspark_jax.models.kv_cache import KVCache
 
     started = time.perf_counter()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dspark_jax.evaluation import (AcceptanceTrace, calibrate, concatenate_traces,
                                    split_by_request)
-from dspark_jax.evaluation.calibration import calibration_text
+from dspark_jax.checkpoints.calibration_file import calibration_text
 from dspark_jax.evaluation.figures import (conditional_acceptance_data, reliability_data,
                                            threshold_sweep_data, write_figure)
 from dspark_jax.evaluation.suite import BENCHMARKS

@@ -48,7 +48,7 @@ def main():
     import jax
 
     import dspark_jax
-    from dspark_jax import generation
+    from dspark_jax import engine
 
     target = dspark_jax.load_target(args.model)
     prompts = [[(17 + 31 * row + i) % 1000 + 10 for i in range(args.prompt_len)]
@@ -62,9 +62,9 @@ def main():
         results = dspark_jax.generate(target, prompts, **kw)
     steps = max(1, results[0].stats["steps"])
 
-    # The decode program's compiled HLO (the only program compiled here), for output shapes.
-    (compiled,) = generation.compiled_programs()
-    hlo = compiled.as_text()
+    # The compiled HLO of the engine's programs (the admission and the rounds: the only ones
+    # compiled here), for output shapes.
+    hlo = "\n".join(program.as_text() for program in engine.compiled_programs())
     (args.workdir / "decode.hlo").write_text(hlo)
     shapes = dict(re.findall(r"%(\S+) = (\S+) ", hlo))
 

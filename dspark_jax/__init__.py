@@ -3,8 +3,8 @@
 Public API:
   load_target(source, dtype=None) -> Target
   generate(target, prompts, *, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-           drafter=None, verify="full", verify_params=None, buckets=None, record=False)
-      -> list[GenerationResult]
+           drafter=None, verify="full", verify_params=None, buckets=None, record=False,
+           max_batch=None, progress=None) -> list[GenerationResult]
   init_drafter(target, config=None, *, seed=0, dtype=None, **overrides) -> Drafter
   load_drafter(path_or_packaged_name, target, dtype=None) -> Drafter
   Drafter.save(path, layout="deepspec" | "dflash" | "orbax", *, dtype=None, target_tensors=True)

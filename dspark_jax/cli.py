@@ -46,8 +46,8 @@ def _sps_table(args, target, drafter, prompts):
             raise ValueError(f"--sps {args.sps}: expected a profile-sps JSON (with 'table') or a "
                              "JSON list of steps/s by forward tokens")
         return table
-    from dspark_jax.generation import encode_prompts
-    from dspark_jax.serving import machine_sps_table
+    from dspark_jax.prompts import encode_prompts
+    from dspark_jax.engine import machine_sps_table
 
     print(f"--sps auto: this machine's steps/s for {len(prompts)} request(s) "
           "(measured once, then cached)", file=sys.stderr)
@@ -115,10 +115,11 @@ def _drafter_labels(args) -> list[str]:
 def cmd_eval(args) -> int:
     from dspark_jax import load_drafter, load_target
     from dspark_jax.evaluation import suite
+    from dspark_jax.prompts import load_benchmark
 
     benches = [b.strip() for b in args.bench.split(",") if b.strip()]
     for bench in benches:
-        suite.load_benchmark(bench, args.data_dir, 1)  # fail early on names and files
+        load_benchmark(bench, args.data_dir, 1)  # fail early on names and files
     labels = _drafter_labels(args)
     if args.report_only:
         report = suite.write_report(args.output, labels, benches)
@@ -254,7 +255,7 @@ def _serving_models(args):
 
 def cmd_profile_sps(args) -> int:
     from dspark_jax.scheduling import sps
-    from dspark_jax.serving import Engine
+    from dspark_jax.engine import Engine
 
     target, drafter = _serving_models(args)
     buckets = [int(b) for b in _csv(args.buckets)] if args.buckets else None

@@ -17,8 +17,9 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from dspark_jax.drafter import load_drafter
-from dspark_jax.generation import encode_prompts, generate
-from dspark_jax.serving import machine_sps_table
+from dspark_jax.engine import machine_sps_table
+from dspark_jax.generation import generate
+from dspark_jax.prompts import encode_prompts
 from dspark_jax.target import load_target
 
 DEFAULT_PROMPTS = (
@@ -67,7 +68,7 @@ def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm
 
     Args:
       sps: the production scheduler's steps/s table by forward tokens; default this machine's
-        profile for one request (``serving.machine_sps_table``, cached after the first run).
+        profile for one request (``engine.machine_sps_table``, cached after the first run).
     """
     target = load_target(model)
     draft = load_drafter(drafter, target)

@@ -21,7 +21,7 @@ from flax import nnx
 from dspark_jax import sharding
 from dspark_jax.checkpoints import deepspec
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.evaluation import calibration
+from dspark_jax.checkpoints import calibration_file as calibration
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
 from dspark_jax.models.drafter import DrafterModel
 from dspark_jax.target import Target

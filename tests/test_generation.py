@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import dspark_jax
-from dspark_jax import generation
+from dspark_jax.prompts import prompt_bucket
 from dspark_jax.target import init_target
 
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=48, hidden_size=32,
@@ -42,6 +42,10 @@ def test_mixed_lengths_batch_equals_each_alone(target):
     for prompt, res in zip(prompts, batched):
         alone = dspark_jax.generate(target, [prompt], max_new_tokens=10)[0]
         assert res.token_ids == alone.token_ids
+    # Two rows at a time: the third prompt joins when the first row finishes.
+    joined = dspark_jax.generate(target, prompts, max_new_tokens=10, max_batch=2)
+    assert [r.token_ids for r in joined] == [r.token_ids for r in batched]
+    assert joined[0].stats["batch"] == 2
 
 
 def test_eos_ends_each_row_and_is_included():
@@ -92,10 +96,10 @@ def test_first_token_law_matches_target_distribution():
 
 
 def test_prompt_buckets_bound_compiles(target):
-    assert generation.prompt_bucket(1) == 16
-    assert generation.prompt_bucket(16) == 16
-    assert generation.prompt_bucket(17) == 32
-    assert [generation.prompt_bucket(n) for n in (1024, 1025, 2049, 4100)] == [
+    assert prompt_bucket(1) == 16
+    assert prompt_bucket(16) == 16
+    assert prompt_bucket(17) == 32
+    assert [prompt_bucket(n) for n in (1024, 1025, 2049, 4100)] == [
         1024, 2048, 3072, 5120]  # past 1024: multiples of 1024
     dspark_jax.generate(target, [[1] * 3], max_new_tokens=4)
     res = dspark_jax.generate(target, [[1] * 9], max_new_tokens=4)[0]
@@ -106,7 +110,7 @@ def test_long_prompt_in_a_multiple_of_1024_matches_the_reference():
     """A 2,100-token prompt pads to 3,072 (not 4,096) and prefills in query chunks of 512."""
     long = init_target(dict(TINY, max_position_embeddings=4096), seed=1)
     prompt = [int(t) for t in np.random.default_rng(0).integers(4, 48, 2100)]
-    assert generation.prompt_bucket(len(prompt)) == 3072
+    assert prompt_bucket(len(prompt)) == 3072
     result = dspark_jax.generate(long, [prompt], max_new_tokens=4)[0]
     assert result.token_ids == greedy_reference(long, prompt, 4)
 

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(r'''
     import numpy as np
     from flax import nnx
     import dspark_jax
-    from dspark_jax import generation, sharding
+    from dspark_jax import engine, sharding
 
     folder = sys.argv[1]
     assert len(jax.devices()) == 8, jax.devices()
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(r'''
                 gen = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=6)]
             except Exception as e:
                 gen = f"{type(e).__name__}: {str(e)[:300]}"
-            generation.clear_compiled_programs()
+            engine.clear_compiled_programs()
             gen_fresh = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=6)]
         real = mask.astype(bool)
         specs = {}

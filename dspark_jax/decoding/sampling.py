@@ -14,8 +14,29 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 GREEDY_TEMPERATURE = 1e-5
+
+
+@struct.dataclass
+class SamplingParams:
+    """Per-row sampling settings, each [B] (traced: changing them never recompiles)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+
+    @classmethod
+    def broadcast(cls, batch: int, temperature=0.0, top_p=1.0, top_k=0) -> "SamplingParams":
+        return cls(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,)),
+                   jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,)),
+                   jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (batch,)))
+
+
+def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+    """tokens int [...], eos_ids int [E] -> bool [...]."""
+    return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
 
 def _expand(x: jax.Array | float, ndim: int, dtype=jnp.float32) -> jax.Array:

@@ -17,14 +17,13 @@ where ``fit`` records how they were obtained (see :func:`calibrate`).
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
-from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
+from dspark_jax.checkpoints.calibration_file import (CALIBRATION_FILE, Calibration,
+                                                   check_temperatures, load_calibration,
+                                                   save_calibration)
 from dspark_jax.evaluation.metrics import (
     DEFAULT_NUM_BINS,
     _log_sigmoid,
@@ -47,24 +46,11 @@ __all__ = [
     "scale_trace",
 ]
 
-CALIBRATION_FILE = "calibration.json"
 # 401 log-spaced temperatures from 1/20 to 20 (the middle one is 1).
 DEFAULT_TEMPERATURE_GRID = np.geomspace(0.05, 20.0, 401)
 # A position with fewer surviving rounds than this in the fitting split keeps T = 1: its ECE
 # is dominated by a handful of positives, and the grid search then runs to the grid's edge.
 DEFAULT_MIN_SURVIVORS = 30
-
-
-def _check_temperatures(temperatures, block_size: int | None = None) -> np.ndarray:
-    """float64 ``[P]`` finite positive temperatures (``P == block_size`` when given)."""
-    t = np.asarray(temperatures, np.float64)
-    if t.ndim != 1 or t.size == 0:
-        raise ValueError(f"temperatures must be a non-empty 1-D array, got shape {t.shape}")
-    if block_size is not None and t.size != block_size:
-        raise ValueError(f"{t.size} temperatures for a block of {block_size} proposals")
-    if not np.all(np.isfinite(t) & (t > 0)):
-        raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
-    return t
 
 
 def scale_logits(confidence_logits, temperatures) -> np.ndarray:
@@ -77,7 +63,7 @@ def scale_logits(confidence_logits, temperatures) -> np.ndarray:
     z = np.asarray(confidence_logits, np.float32)
     if z.ndim == 0:
         raise ValueError("confidence_logits must have a trailing position axis [..., P]")
-    t = _check_temperatures(temperatures, z.shape[-1])
+    t = check_temperatures(temperatures, z.shape[-1])
     return (z / t.astype(np.float32)).astype(np.float32)
 
 
@@ -107,7 +93,7 @@ def fit_sts(trace: AcceptanceTrace, grid: Sequence[float] = DEFAULT_TEMPERATURE_
       float64 ``[P]`` temperatures.
     """
     trace.validate()
-    grid = _check_temperatures(grid)
+    grid = check_temperatures(grid)
     preference = np.argsort(np.abs(np.log(grid)), kind="stable")  # closest to T = 1 first
     z = trace.confidence_logits.astype(np.float64)
     labels = survival_labels(trace)
@@ -167,58 +153,3 @@ def calibrate(trace: AcceptanceTrace, fit_fraction: float = 0.5, seed: int = 0,
            "heldout_rounds": heldout.num_rounds,
            "heldout": calibration_report(heldout, temperatures, num_bins)}
     return temperatures, fit
-
-
-class Calibration(NamedTuple):
-    """Contents of ``calibration.json``."""
-
-    temperatures: np.ndarray  # float64 [P]
-    fit: dict
-
-
-def _calibration_path(path) -> Path:
-    path = Path(path)
-    return path / CALIBRATION_FILE if path.is_dir() else path
-
-
-def calibration_text(temperatures, fit: dict | None = None) -> str:
-    """The contents of ``calibration.json`` for temperatures ``[P]`` and a fit record."""
-    payload = {"confidence_temperatures": _check_temperatures(temperatures).tolist(),
-               "fit": {} if fit is None else fit}
-    return json.dumps(payload, indent=2, allow_nan=False) + "\n"
-
-
-def save_calibration(folder, temperatures, fit: dict | None = None) -> Path:
-    """Writes ``folder/calibration.json`` atomically; returns its path.
-
-    Args:
-      folder: the drafter checkpoint folder (must exist).
-      temperatures: float ``[P]``, finite and positive.
-      fit: JSON-serialisable record of the fit (e.g. from :func:`calibrate`).
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder {folder}")
-    path = folder / CALIBRATION_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(calibration_text(temperatures, fit))
-    os.replace(tmp, path)
-    return path
-
-
-def load_calibration(path) -> Calibration:
-    """Reads ``calibration.json`` from a checkpoint folder or a direct file path.
-
-    Raises:
-      FileNotFoundError: no calibration file.
-      ValueError: malformed file or invalid temperatures.
-    """
-    path = _calibration_path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no {CALIBRATION_FILE} at {path}")
-    try:
-        payload = json.loads(path.read_text())
-        temperatures = payload["confidence_temperatures"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a calibration file: {err!r}") from err
-    return Calibration(_check_temperatures(temperatures), dict(payload.get("fit") or {}))

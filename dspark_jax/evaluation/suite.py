@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -30,59 +29,14 @@ from tqdm.auto import tqdm
 
 from dspark_jax.drafter import Drafter
 from dspark_jax.evaluation.trace import AcceptanceTrace
-from dspark_jax.generation import (encode_prompts, generate, prompt_bucket, stats_from_counters,
-                                   sum_counters)
-from dspark_jax.jsonl import read_jsonl
+from dspark_jax.engine.stats import stats_from_counters, sum_counters
+from dspark_jax.generation import generate
+from dspark_jax.prompts import (BENCHMARKS, DOMAINS, EVAL_SEED, encode_prompts, load_benchmark,
+                                prompt_bucket)
 from dspark_jax.target import Target
 
-EVAL_SEED = 980406
-# name: (domain, cap) from the reference evaluation.
-BENCHMARKS = {
-    "gsm8k": ("math", 500), "math500": ("math", 500), "aime25": ("math", 30),
-    "humaneval": ("code", 164), "mbpp": ("code", 256), "livecodebench": ("code", 500),
-    "mt-bench": ("chat", 80), "alpaca": ("chat", 500), "arena-hard-v2": ("chat", 500),
-}
-DOMAINS = ("math", "code", "chat")
 # The recorded settings that name the models a result came from ({role}_sha256 of params_sha256).
 IDENTITY_KEYS = {"drafter": "drafter_sha256", "target": "target_sha256"}
-
-
-def default_data_dir() -> Path | None:
-    """``../shared/data/eval`` beside the working directory or the source checkout, if any."""
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        folder = root.parent / "shared" / "data" / "eval"
-        if folder.is_dir():
-            return folder
-    return None
-
-
-def load_benchmark(name: str, data_dir: str | Path | None = None,
-                   limit: int | None = None) -> list[str]:
-    """The first-turn prompts of a benchmark after the reference's cap and seeded shuffle.
-
-    Raises:
-      ValueError: unknown benchmark, missing file or no data folder.
-    """
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
-    if folder is None:
-        raise ValueError("no evaluation data folder: pass --data-dir (the folder of "
-                         "gsm8k.jsonl, humaneval.jsonl, ...)")
-    path = folder / f"{name}.jsonl"
-    if not path.is_file():
-        raise ValueError(f"benchmark file {path} not found")
-    prompts = []
-    for where, record in read_jsonl(path):
-        turns = record.get("turns")
-        if not turns or not isinstance(turns[0], str):
-            raise ValueError(f"{where}: expected a non-empty 'turns' list of strings")
-        prompts.append(turns[0])
-    cap = BENCHMARKS[name][1]
-    if len(prompts) > cap:
-        random.Random(EVAL_SEED).shuffle(prompts)
-        prompts = prompts[:cap]
-    return prompts[:limit] if limit is not None else prompts
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int,

@@ -46,11 +46,15 @@ class KVCache:
     def num_slots(self) -> int:
         return self.k.shape[3]
 
-    def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array) -> "KVCache":
+    def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
+              rows: jax.Array | None = None) -> "KVCache":
         """Scatters new entries of every layer: k_new, v_new [L, B, T, K, D] (token-major, as
-        the layers compute them) at slots ``positions`` int [B, T] (positions >= S are dropped);
-        in place inside a loop carry."""
-        rows = jnp.arange(positions.shape[0])[:, None]
+        the layers compute them) at slots ``positions`` int [B, T] of cache rows ``rows`` int [B]
+        (default 0..B-1); positions >= S and rows beyond the cache are dropped. In place inside
+        a loop carry."""
+        if rows is None:
+            rows = jnp.arange(positions.shape[0])
+        rows = rows[:, None]
 
         def put(cache, new):  # the indexed dims [B, T] lead the update: [B, T, L, K, D]
             return cache.at[:, rows, :, positions].set(
@@ -58,11 +62,11 @@ class KVCache:
 
         return KVCache(put(self.k, k_new), put(self.v, v_new))
 
-    def place_row(self, k_new: jax.Array, v_new: jax.Array, row) -> "KVCache":
-        """Writes a row's first T slots: k_new, v_new [L, 1, T, K, D] into row ``row`` (traced)."""
-        corner = (0, row, 0, 0, 0)
-        return KVCache(*(jax.lax.dynamic_update_slice(full, new.swapaxes(2, 3).astype(full.dtype), corner)
-                         for full, new in ((self.k, k_new), (self.v, v_new))))
+    def set_rows(self, new: "KVCache", rows: jax.Array) -> "KVCache":
+        """Replaces whole rows: ``new`` k/v [L, B, K, S, D] into cache rows ``rows`` int [B]
+        (rows beyond the cache are dropped)."""
+        return KVCache(*(full.at[:, rows].set(part.astype(full.dtype), mode="drop")
+                         for full, part in ((self.k, new.k), (self.v, new.v))))
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

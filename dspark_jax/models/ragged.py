@@ -9,7 +9,8 @@ verified tokens.
 Attention is the only part that needs the rows: each layer scatters the flat queries, keys and
 values into an [S, Q] grid (row, column within the row), attends per row over the row's
 committed cache slots plus its own new tokens (causal by column), and gathers the result back
-to the flat layout. Every row's cache is read once, as in a dense batch.
+to the flat layout. Every row's cache is read once, as in a dense batch. A cache of no slots is
+a prefill: the rows are prompts (segment ids = rows) and long ones attend in query chunks.
 
 Shapes: T flat tokens, S cache rows, Q columns per row, N cache slots per row, L layers,
 H query heads, K kv heads, D head dim, d hidden size, m taps.
@@ -25,7 +26,7 @@ from flax import nnx
 
 from dspark_jax.models.decoder import Decoder
 from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.layers import attend_cached
+from dspark_jax.models.layers import attend, attend_cached
 
 
 class RaggedOutput(NamedTuple):
@@ -35,7 +36,7 @@ class RaggedOutput(NamedTuple):
     new_v: jax.Array  # [L, S, Q, K, D]
 
 
-def _to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width: int):
+def to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width: int):
     """[T, ...] -> [S, Q, ...]; tokens with rows >= S (padding) are dropped."""
     grid = jnp.zeros((num_rows, width) + x.shape[1:], x.dtype)
     return grid.at[rows, cols].set(x, mode="drop")
@@ -87,11 +88,15 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         x = layer.input_layernorm(h)
         q = attn.queries(x, cos, sin)[0]
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos, sin))
-        k_grid = _to_grid(k_new, rows, cols, num_rows, width)
-        v_grid = _to_grid(v_new, rows, cols, num_rows, width)
-        out = attend_cached(_to_grid(q, rows, cols, num_rows, width), k_cache.astype(k_new.dtype),
-                            v_cache.astype(v_new.dtype), cached, k_grid, v_grid,
-                            causal)[safe_rows, cols]
+        k_grid = to_grid(k_new, rows, cols, num_rows, width)
+        v_grid = to_grid(v_new, rows, cols, num_rows, width)
+        q_grid = to_grid(q, rows, cols, num_rows, width)
+        if num_slots:
+            out = attend_cached(q_grid, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
+                                cached, k_grid, v_grid, causal)
+        else:  # a prefill: no history, long rows attended in query chunks
+            out = attend(q_grid, k_grid, v_grid, causal)
+        out = out[safe_rows, cols]
         h = h + attn.output(out[None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if taps is not None:

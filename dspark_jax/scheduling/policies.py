@@ -10,10 +10,8 @@ Notation (spec section 9, paper Algorithm 1 / Appendix A / Sec. 5.2):
                    (``confidences``, float ``[R, gamma]``, values in ``[0, 1]``).
 * ``a[r, j]``      survival ``prod_{i <= j} c[r, i]``: probability that the prefix through
                    ``j`` is accepted (``survivals``).  Non-increasing in ``j``.
-* ``B``            forward batch size in tokens: ``sum_r (1 + l_r)`` over active requests in
-                   a flat (ragged) verify; ``R * T`` in a dense one, where every row of the
-                   static batch runs padded to the smallest verify bucket ``T`` holding
-                   ``1 + max_r l_r`` (``verify_buckets``).
+* ``B``            forward batch size in tokens: ``sum_r (1 + l_r)`` over active requests
+                   (the engine's flat verify runs exactly these tokens).
 * ``tau``          expected emitted tokens, ``sum_r (1 + sum_{j <= l_r} a[r, j])``.
 * ``SPS(B)``       profiled engine throughput (steps/s) for a forward of ``B`` tokens,
                    given as a table ``sps`` float ``[Bmax + 1]`` indexed by ``B``
@@ -144,32 +142,10 @@ def _ranked_candidates(confidences, active):
             r_active, pos_sorted)
 
 
-def _forward_tokens(pos_sorted, r_active, num_requests: int, verify_buckets):
-    """int32 [N + 1]: the verify forward's tokens B after admitting the first k ranked candidates.
-
-    Flat (``verify_buckets`` None): ``R_active + k``. Dense: all ``num_requests`` rows run padded
-    to the smallest bucket holding the anchor and the longest admitted prefix,
-    ``R * bucket(1 + max_{i < k} (pos_i + 1))``.
-    """
-    k = jnp.arange(pos_sorted.shape[0] + 1, dtype=jnp.int32)
-    if verify_buckets is None:
-        return r_active + k
-    longest = jnp.concatenate([jnp.zeros((1,), jnp.int32), jax.lax.cummax(pos_sorted + 1)])
-    return _dense_tokens(longest, num_requests, verify_buckets)
-
-
-def _dense_tokens(longest, num_requests: int, verify_buckets):
-    """``R * T``: the tokens of a dense verify whose longest row verifies ``longest`` drafts
-    (int array), ``T`` the smallest bucket >= 1 + longest."""
-    buckets = jnp.asarray(verify_buckets, jnp.int32)
-    index = jnp.minimum(jnp.searchsorted(buckets, longest + 1), buckets.shape[0] - 1)
-    return num_requests * buckets[index]
-
-
-def _ranked_curve(confidences, sps, active, verify_buckets):
+def _ranked_curve(confidences, sps, active):
     """(valid [R, gamma], rank [R, gamma], Theta [N + 1]) along the ranked admission path."""
-    _, valid, rank, a_sorted, n_valid, r_active, pos_sorted = _ranked_candidates(confidences, active)
-    tokens = _forward_tokens(pos_sorted, r_active, confidences.shape[0], verify_buckets)
+    _, valid, rank, a_sorted, n_valid, r_active, _ = _ranked_candidates(confidences, active)
+    tokens = r_active + jnp.arange(a_sorted.shape[0] + 1, dtype=jnp.int32)
     sps = jnp.asarray(sps)
     dtype = jnp.result_type(a_sorted.dtype, _float_dtype(sps))
     k = jnp.arange(a_sorted.shape[0] + 1, dtype=jnp.int32)
@@ -183,14 +159,11 @@ def _ranked_curve(confidences, sps, active, verify_buckets):
 
 def throughput_curve(
     confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None,
-    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Theta along the greedy admission path: ``Theta[k]`` for ``k = 0..R*gamma`` drafts.
 
-    ``Theta[k] = (R_active + sum of the k largest survivals) * SPS(B_k)``, with ``B_k`` the
-    forward tokens of that admission (``R_active + k`` flat; ``R * T_k`` dense, see the module
-    docstring): for a flat verify the best throughput achievable with exactly ``k`` admitted
-    draft tokens (the top-k survivals maximise ``tau`` and automatically form per-request
+    ``Theta[k] = (R_active + sum of the k largest survivals) * SPS(R_active + k)``: the best
+    throughput achievable with exactly ``k`` admitted draft tokens (the top-k survivals maximise ``tau`` and automatically form per-request
     prefixes). Entries with ``k`` beyond the number of positive-survival candidates, or with
     ``B_k > Bmax``, are ``-inf`` (not admissible).
 
@@ -198,13 +171,11 @@ def throughput_curve(
       confidences: float ``[R, gamma]``.
       sps: float ``[Bmax + 1]`` steps/s by forward batch size in tokens.
       active: optional bool ``[R]``.
-      verify_buckets: static sorted token counts per row of a dense verify (the last one
-        ``gamma + 1``); None for a flat one.
 
     Returns:
       float ``[R * gamma + 1]``.
     """
-    return _ranked_curve(confidences, sps, active, verify_buckets)[2]
+    return _ranked_curve(confidences, sps, active)[2]
 
 
 def expected_throughput(
@@ -212,7 +183,6 @@ def expected_throughput(
     lengths: jax.Array,
     sps: jax.Array,
     active: Optional[jax.Array] = None,
-    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Theta = tau * SPS(B) of an arbitrary length assignment.
 
@@ -221,7 +191,6 @@ def expected_throughput(
       lengths: int ``[R]`` in ``0..gamma`` (inactive rows are ignored).
       sps: float ``[Bmax + 1]``.
       active: optional bool ``[R]``.
-      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       float scalar; ``-inf`` when ``B`` is outside the table.
@@ -232,10 +201,7 @@ def expected_throughput(
     lengths = jnp.where(act, jnp.clip(jnp.asarray(lengths, jnp.int32), 0, gamma), 0)
     take = jnp.arange(gamma)[None, :] < lengths[:, None]
     tau = jnp.sum(act) + jnp.sum(jnp.where(take, a, 0.0))
-    if verify_buckets is None:
-        batch = jnp.sum(act).astype(jnp.int32) + jnp.sum(lengths)
-    else:
-        batch = _dense_tokens(jnp.max(lengths), num_requests, verify_buckets)
+    batch = jnp.sum(act).astype(jnp.int32) + jnp.sum(lengths)
     rate, in_table = _sps_lookup(jnp.asarray(sps), batch)
     return jnp.where(in_table, tau * rate, -jnp.inf)
 
@@ -251,7 +217,6 @@ def _lengths_from_count(valid, rank, count):
 
 def prefix_schedule(
     confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None,
-    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Hardware-aware prefix scheduler with early stopping (paper Algorithm 1).
 
@@ -268,12 +233,11 @@ def prefix_schedule(
       confidences: float ``[R, gamma]`` per-step confidences ``c``.
       sps: float ``[Bmax + 1]`` steps/s by forward batch size in tokens.
       active: optional bool ``[R]``.
-      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       int32 ``[R]`` verification lengths (a prefix of each block; 0 for inactive rows).
     """
-    valid, rank, theta = _ranked_curve(confidences, sps, active, verify_buckets)  # Theta [N + 1]
+    valid, rank, theta = _ranked_curve(confidences, sps, active)  # Theta [N + 1]
     improves = theta[1:] > theta[:-1]  # along the path Theta_best == Theta[k-1]
     count = jnp.sum(jnp.cumprod(improves.astype(jnp.int32))).astype(jnp.int32)
     return _lengths_from_count(valid, rank, count)
@@ -281,7 +245,6 @@ def prefix_schedule(
 
 def global_search_capacity(
     confidences: jax.Array, sps: jax.Array, active: Optional[jax.Array] = None,
-    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Unconstrained global search of the production scheduler (paper Sec. 5.2).
 
@@ -296,12 +259,11 @@ def global_search_capacity(
       confidences: float ``[R, gamma]``.
       sps: float ``[Bmax + 1]``.
       active: optional bool ``[R]``.
-      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       int32 scalar capacity ``K``.
     """
-    theta = throughput_curve(confidences, sps, active, verify_buckets)
+    theta = throughput_curve(confidences, sps, active)
     return jnp.argmax(theta).astype(jnp.int32)
 
 
@@ -334,7 +296,6 @@ def production_schedule(
     sps: jax.Array,
     active: Optional[jax.Array] = None,
     lagged_active: Optional[jax.Array] = None,
-    verify_buckets: Optional[tuple[int, ...]] = None,
 ) -> jax.Array:
     """Asynchronous production scheduler (paper Sec. 5.2).
 
@@ -350,14 +311,13 @@ def production_schedule(
       active: optional bool ``[R]`` requests active this step.
       lagged_active: optional bool ``[R]`` requests active in the lagged step
         (defaults to ``active``).
-      verify_buckets: a dense verify's buckets (``throughput_curve``); None: flat.
 
     Returns:
       int32 ``[R]`` lengths.
     """
     if lagged_active is None:
         lagged_active = active
-    capacity = global_search_capacity(lagged_confidences, sps, lagged_active, verify_buckets)
+    capacity = global_search_capacity(lagged_confidences, sps, lagged_active)
     return top_k_prefix_schedule(current_confidences, capacity, active)
 
 

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dspark_jax.serving.engine import Engine
+from dspark_jax.engine import Engine
 from dspark_jax.serving.loadgen import closed_loop
 
 SPS_POLICIES = ("prefix", "production")

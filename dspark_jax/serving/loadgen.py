@@ -1,7 +1,7 @@
 """Closed-loop load generation over the shared evaluation prompts.
 
 ``eval_prompts`` reads the first user turn of the shared eval sets (``{"turns": [...]}`` JSONL,
-``evaluation.suite.load_benchmark``), applies the chat template and interleaves the sets
+``prompts.load_benchmark``), applies the chat template and interleaves the sets
 round-robin. ``closed_loop`` replays
 prompts at a concurrency C: C users each send their next prompt as soon as their previous one
 finished, until the prompts run out. It reports aggregate and per-user throughput, the mean
@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from dspark_jax.evaluation.suite import load_benchmark
-from dspark_jax.generation import chat_ids
+from dspark_jax.prompts import chat_ids, load_benchmark
 
 
 def eval_prompts(tokenizer, datasets: Sequence[str], count: int, *, max_prompt_len: int,
                  data_dir: str | Path | None = None) -> list[list[int]]:
     """Chat-templated first turns, round-robin over ``datasets`` (benchmark names of
-    ``evaluation.suite``: the reference's cap and seeded shuffle apply).
+    ``prompts.BENCHMARKS``: the reference's cap and seeded shuffle apply).
 
     Prompts longer than ``max_prompt_len`` tokens are skipped.
 
@@ -89,13 +88,13 @@ def closed_loop(engine, prompts: Sequence[Sequence[int]], *, concurrency: int, m
                 send()
     wall = time.perf_counter() - start
     new_tokens = sum(len(r.tokens) for r in done)
-    rounds = sum(r.rounds for r in done)
+    rounds = sum(r.counters["rounds"] for r in done)
     per_user = [len(r.tokens) / (r.finished_at - r.submitted_at) for r in done]
     return LoadResult(
         concurrency=concurrency, requests=len(done), new_tokens=new_tokens, wall_s=wall,
         steps=engine.steps, tokens_per_s=new_tokens / wall,
         tokens_per_s_per_user=sum(per_user) / len(per_user),
-        mean_budget=sum(r.proposed for r in done) / rounds if rounds else 0.0,
-        tau=sum(r.tau_sum for r in done) / rounds if rounds else 0.0,
+        mean_budget=sum(r.counters["proposed"] for r in done) / rounds if rounds else 0.0,
+        tau=sum(r.counters["tau_sum"] for r in done) / rounds if rounds else 0.0,
         mean_verified_tokens=engine.verified_tokens / engine.steps if engine.steps else 0.0,
         bucket_counts=dict(sorted(engine.bucket_counts.items())))

@@ -36,8 +36,9 @@ from typing import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax.generation import chat_ids, generate
+from dspark_jax.generation import generate
 from dspark_jax.jsonl import read_jsonl
+from dspark_jax.prompts import chat_ids
 from dspark_jax.target import Target
 
 MANIFEST = "manifest.json"
@@ -184,9 +185,12 @@ def _resume_manifest(out_dir: Path, sources: list[dict], settings: dict) -> dict
     return manifest
 
 
-def _generate_batch(target: Target, prompts: Sequence[str], start: int, settings: dict,
-                    dropped: dict) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Samples of the prompts start, start + 1, ... (one generate call); counts drops."""
+def _generate_shard(target: Target, prompts: Sequence[str], start: int, settings: dict,
+                    dropped: dict, batch_size: int, progress=None
+                    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Samples of the prompts start, start + 1, ... (one generate call, ``batch_size`` rows
+    decoding together, a finished row's slot refilled with the next prompt); counts drops.
+    ``progress`` is called with the number of prompts done, as they finish."""
     max_length, min_loss = settings["max_length"], settings["min_loss_tokens"]
     todo = []
     for index, text in enumerate(prompts, start):
@@ -198,11 +202,14 @@ def _generate_batch(target: Target, prompts: Sequence[str], start: int, settings
             dropped["long_prompt"] += 1
             continue
         todo.append((index, ids))
+    if progress is not None and len(todo) < len(prompts):
+        progress(len(prompts) - len(todo))
     if not todo:
         return []
     results = generate(target, [ids for _, ids in todo], max_new_tokens=settings["max_new_tokens"],
                        temperature=settings["temperature"], top_p=settings["top_p"],
-                       top_k=settings["top_k"], seed=batch_seed(settings["seed"], start))
+                       top_k=settings["top_k"], seed=batch_seed(settings["seed"], start),
+                       max_batch=batch_size, progress=progress)
     samples = []
     for (index, ids), result in zip(todo, results):
         sample = build_sample(ids, result.token_ids, max_length=max_length,
@@ -242,12 +249,13 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
         fewer when some are dropped. A later run with a larger value extends the data set.
       first_prompt: skip the prompts before this index (a held-out split: e.g. train on the
         first 192 prompts, evaluate on prompts from 2000 on).
-      batch_size: prompts per ``generate`` call.
+      batch_size: rows decoding together (continuous batching within a shard).
       max_new_tokens, temperature, top_p, top_k: sampling of the answers.
       max_length: conversations are truncated to this many tokens.
-      seed: base seed; each batch samples with ``batch_seed(seed, first prompt index)``.
+      seed: base seed; each shard samples with ``batch_seed(seed, its first prompt index)``.
       min_loss_tokens: samples with fewer answer tokens (after truncation) are dropped.
-      shard_size: prompts per shard (rounded up to a multiple of ``batch_size``).
+      shard_size: prompts per shard (one ``generate`` call; rounded up to a multiple of
+        ``batch_size``).
       select: keep only the prompts of a named subset (``PROMPT_SELECTIONS``: "code" = those
         that ask for code, "chat" = the others) before ``first_prompt`` / ``max_samples``
         count them; None keeps all.
@@ -282,16 +290,11 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     made, started = 0, time.perf_counter()
     for shard_start in range(manifest["prompts_done"], total, shard_size):
         shard_stop = min(shard_start + shard_size, total)
-        samples = []
-        for start in range(shard_start, shard_stop, batch_size):
-            stop = min(start + batch_size, shard_stop)
-            batch = _generate_batch(target, prompts[start:stop], start, settings,
-                                    manifest["dropped"])
-            samples += batch
-            made += len(batch)
-            bar.update(stop - start)
-            bar.set_postfix(samples=manifest["num_samples"] + len(samples),
-                            samples_per_s=f"{made / (time.perf_counter() - started):.2f}")
+        samples = _generate_shard(target, prompts[shard_start:shard_stop], shard_start, settings,
+                                  manifest["dropped"], batch_size, bar.update)
+        made += len(samples)
+        bar.set_postfix(samples=manifest["num_samples"] + len(samples),
+                        samples_per_s=f"{made / (time.perf_counter() - started):.2f}")
         name = f"shard_{len(manifest['files']):05d}.npz"
         write_shard(out / name, samples)
         _add_shard(manifest, name, samples, shard_start, shard_stop)

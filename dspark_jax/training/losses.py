@@ -29,7 +29,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from dspark_jax.models.decoder import Decoder
 from dspark_jax.models.drafter import DrafterModel, TrainOutput

@@ -36,7 +36,7 @@ import dspark_jax  # noqa: E402
 from dspark_jax import target as target_module  # noqa: E402
 from dspark_jax.checkpoints import registry  # noqa: E402
 from dspark_jax.checkpoints.gguf import GGUFFile  # noqa: E402
-from dspark_jax.generation import chat_ids  # noqa: E402
+from dspark_jax.prompts import chat_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 GGUF against transformers' GGUF loader
 

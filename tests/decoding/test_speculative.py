@@ -9,10 +9,11 @@ import pytest
 
 import dspark_jax
 import law
-from dspark_jax import generation
-from dspark_jax.decoding import rejection, speculative
+from dspark_jax import engine
+from dspark_jax.decoding import rejection
+from dspark_jax.decoding import round as round_lib
 from dspark_jax.decoding.sampling import sample_from_probs
-from dspark_jax.models.decoder import Decoder
+from dspark_jax.engine.stats import sum_counters
 from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
@@ -87,17 +88,18 @@ def test_statistics_are_consistent(qwen3):
 
 
 def test_compiles_once_and_traces_each_bucket_once(qwen3, monkeypatch):
-    """Varying verification lengths: one program, one verify shape per bucket."""
+    """Varying verification lengths: one program, one verify shape per flat token bucket (and
+    one prefill of the three prompts laid out flat: 23 tokens in a 32-token bucket)."""
     drafter = dspark_jax.init_drafter(qwen3, seed=2)
     widths = []
-    original = Decoder.__call__
+    original = round_lib.ragged_forward
 
-    def recording(self, tokens, *args, **kwargs):
-        widths.append(tokens.shape[1])
-        return original(self, tokens, *args, **kwargs)
+    def recording(model, tokens, *args, **kwargs):
+        widths.append(tokens.shape[0])
+        return original(model, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(Decoder, "__call__", recording)
-    generation.clear_compiled_programs()
+    monkeypatch.setattr(round_lib, "ragged_forward", recording)
+    engine.clear_compiled_programs()
     lengths = set()
     for i, threshold in enumerate((0.3, 0.45, 0.5, 0.55, 0.7)):
         res = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=20, drafter=drafter,
@@ -109,8 +111,9 @@ def test_compiles_once_and_traces_each_bucket_once(qwen3, monkeypatch):
             at_least = [r.stats["rounds"]] + r.stats["counters"]["proposed_ge"] + [0]
             lengths |= {k for k in range(8) if at_least[k] > at_least[k + 1]}
     assert len(lengths) >= 3  # the runs really verified several different lengths
-    buckets = (1, 2, 4, 8)
-    assert sorted(w for w in widths if w <= 8) == list(buckets)  # one trace per verify bucket
+    buckets = engine.token_buckets(len(PROMPTS), drafter.num_proposals)
+    assert buckets == (1, 2, 4, 8, 16, 24)
+    assert sorted(widths) == sorted(buckets + (32,))  # one trace per verify bucket, one prefill
 
 
 def _broken_rejection(key, draft_tokens, draft_probs, target_probs, num_draft):
@@ -130,7 +133,7 @@ def _law_chi2(target, drafter, n, verify="full", params=None, positions=(0, 1, 2
     length = max(positions) + 1
     res = dspark_jax.generate(target, [law.PROMPT] * n, max_new_tokens=length, temperature=1.0,
                               seed=0, drafter=drafter, verify=verify, verify_params=params)
-    counters = generation.sum_counters([r.stats["counters"] for r in res])
+    counters = sum_counters([r.stats["counters"] for r in res])
     return (*law.chi_square([[r.token_ids[i] for i in positions] for r in res],
                             law.marginal_law(target, positions)),
             counters["proposed"] / counters["rounds"])
@@ -141,10 +144,10 @@ def law_models():
     return law.law_models()
 
 
-# Production's capacity comes from two rounds earlier, so in a static batch it verifies drafts
-# from round 2 on: tokens 4 and 5 (round 0 emits token 2, round 1 token 3). The dense verify of
-# 20,000 rows runs 20,000 x bucket tokens: bucket 2 is affordable, bucket 4 runs at half speed,
-# so the capacity is about one draft per row, spread over the rows by current survival.
+# Production's capacity comes from two rounds earlier, so it verifies drafts from round 2 on:
+# tokens 4 and 5 (round 0 emits token 2, round 1 token 3). The flat verify of 20,000 rows runs
+# 20,000 anchors + k drafts, at full speed up to 40,000 tokens and half speed beyond, so the
+# capacity is about one draft per row, spread over the rows by current survival.
 @pytest.mark.parametrize("verify,params,positions", [
     ("full", None, (0, 1, 2)), ("production", {"sps": [1.0] * 40001 + [0.5] * 40000}, (3, 4))])
 @pytest.mark.slow  # chi-square over 20,000 / 8,000 sequences; CI runs -m slow
@@ -167,17 +170,19 @@ def test_production_is_lossless_for_a_lone_request_with_token_dependent_confiden
     assert chi2 < bound, (chi2, dof)
 
 
-def test_prefix_scores_the_padded_dense_verify():
+def test_prefix_scores_the_flat_verify_it_runs():
     """Rows with even anchors and drafts are certain (c = 1), the others hopeless (c = 0), and a
-    forward above 8 tokens runs at half speed: the static batch of 4 rows verifies 4 x bucket
-    tokens, so Algorithm 1 must stop at one draft (4 x 2 tokens), not admit three drafts of a
-    certain row and run 4 x 4."""
+    forward above 8 tokens runs at half speed: the 4 rows' flat verify of 4 anchors + k drafts
+    may carry at most 4 drafts, and Algorithm 1 gives the first certain row its whole block of
+    3 (ties by request index), as the flat forward costs what it carries."""
     target, drafter = law.law_models(token_dependent_confidence=True)
     res = dspark_jax.generate(target, [law.PROMPT] * 4, max_new_tokens=24, temperature=1.0,
                               seed=1, drafter=drafter, verify="prefix",
                               verify_params={"sps": [1.0] * 9 + [0.5] * 8}, record=True)
-    verified = np.concatenate([r.trace["num_verified"] for r in res])
-    assert verified.max() == 1 and verified.sum() > 0, verified
+    rounds = min(len(r.trace["num_verified"]) for r in res)
+    verified = np.stack([r.trace["num_verified"][:rounds] for r in res])  # [4, rounds]
+    assert (4 + verified.sum(axis=0)).max() <= 8, verified  # all four joined at once
+    assert verified.max() >= 2, verified
 
 
 def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
@@ -198,12 +203,12 @@ def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
 @pytest.mark.slow  # chi-square over 20,000 / 8,000 sequences; CI runs -m slow
 def test_broken_sampler_fails_the_law_test(law_models, monkeypatch):
     target, drafter = law_models
-    monkeypatch.setattr(speculative.rejection, "rejection_sample", _broken_rejection)
-    generation.clear_compiled_programs()
+    monkeypatch.setattr(round_lib.rejection, "rejection_sample", _broken_rejection)
+    engine.clear_compiled_programs()
     try:
         chi2, dof, bound, _ = _law_chi2(target, drafter, 8000)  # ~2x the bound at this size
     finally:
-        generation.clear_compiled_programs()
+        engine.clear_compiled_programs()
     assert chi2 > bound, (chi2, dof)
 
 
@@ -221,7 +226,7 @@ def test_unknown_policy_is_refused(qwen3):
 
 
 def test_schedulers_without_a_table_say_so():
-    from dspark_jax.decoding import verification
+    from dspark_jax.scheduling import verification
 
     for policy in ("prefix", "production"):
         with pytest.warns(UserWarning, match=f"verify='{policy}' without a steps/s table"):

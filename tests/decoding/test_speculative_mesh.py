@@ -1,5 +1,5 @@
-"""The speculative engine and the serving engine on meshes of 8 simulated CPU devices give the
-single-device output.
+"""The engine on meshes of 8 simulated CPU devices gives the single-device output: through
+``generate`` (autoregressive and speculative) and driven as a server.
 
 The device count is fixed when JAX initialises, so the run happens in a subprocess started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``conftest.run_on_cpu_devices``); it
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent(r'''
     import jax
     import dspark_jax
     from dspark_jax import sharding
-    from dspark_jax.serving.engine import Engine
+    from dspark_jax.engine import Engine
     from dspark_jax.target import init_target
 
     assert len(jax.devices()) == 8
@@ -32,6 +32,8 @@ SCRIPT = textwrap.dedent(r'''
         target = init_target(CONFIG, seed=1)
         drafter = dspark_jax.init_drafter(target, seed=2)
         out = dspark_jax.generate(target, PROMPTS, max_new_tokens=16, drafter=drafter)
+        ar = dspark_jax.generate(target, PROMPTS, max_new_tokens=16)
+        assert [r.token_ids for r in ar] == [r.token_ids for r in out]
         q_kernel = target.state["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
         spec = getattr(q_kernel.sharding, "spec", None)
         up_kernel = drafter.state["layers"]["mlp"]["up_proj"]["kernel"].get_value()
@@ -59,7 +61,7 @@ SCRIPT = textwrap.dedent(r'''
 
 
 def test_greedy_on_meshes_equals_single_device():
-    """Batch engine and serving engine on a (2, 1, 4) mesh."""
+    """generate and the engine driven as a server on a (2, 1, 4) mesh."""
     report = run_on_cpu_devices(["-c", SCRIPT])
     single_tokens = report.pop("single")[0]
     served, served_sampled, _ = report.pop("serve_single")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import dspark_jax
+from dspark_jax.engine.stats import sum_counters
 
 pytestmark = pytest.mark.slow  # the real SmolLM2 with the packaged drafter; CI runs -m slow
 
@@ -36,6 +37,6 @@ def test_packaged_trained_drafter(smollm2):
     for name, drafter in (("trained", trained), ("untrained", untrained)):
         sp = dspark_jax.generate(smollm2, prompts, max_new_tokens=48, drafter=drafter)
         assert [s.token_ids for s in sp] == [a.token_ids for a in ar]
-        counters = dspark_jax.generation.sum_counters([s.stats["counters"] for s in sp])
+        counters = sum_counters([s.stats["counters"] for s in sp])
         taus[name] = counters["tau_sum"] / counters["rounds"]
     assert taus["trained"] > taus["untrained"] + 0.05, taus

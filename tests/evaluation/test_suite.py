@@ -10,7 +10,9 @@ import dspark_jax
 from dspark_jax import cli
 from dspark_jax.drafter import Drafter
 from dspark_jax.evaluation import AcceptanceTrace, suite
-from dspark_jax.generation import prompt_bucket, stats_from_counters, sum_counters
+from dspark_jax import prompts
+from dspark_jax.engine.stats import stats_from_counters, sum_counters
+from dspark_jax.prompts import prompt_bucket
 from dspark_jax.target import init_target
 
 CONFIG = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32,
@@ -29,25 +31,25 @@ def test_load_benchmark_caps_with_the_seeded_shuffle(tmp_path):
     lines = [json.dumps({"turns": [f"q{i}", "second turn"]}) for i in range(40)]
     (tmp_path / "aime25.jsonl").write_text("\n".join(lines) + "\n")
     expected = [f"q{i}" for i in range(40)]
-    random.Random(suite.EVAL_SEED).shuffle(expected)
-    assert suite.load_benchmark("aime25", tmp_path) == expected[:30]  # cap 30
-    assert suite.load_benchmark("aime25", tmp_path, limit=5) == expected[:5]
+    random.Random(prompts.EVAL_SEED).shuffle(expected)
+    assert prompts.load_benchmark("aime25", tmp_path) == expected[:30]  # cap 30
+    assert prompts.load_benchmark("aime25", tmp_path, limit=5) == expected[:5]
     (tmp_path / "mt-bench.jsonl").write_text('{"turns": ["a", "b"]}\n{"turns": ["c"]}\n')
-    assert suite.load_benchmark("mt-bench", tmp_path) == ["a", "c"]  # under the cap: in order
+    assert prompts.load_benchmark("mt-bench", tmp_path) == ["a", "c"]  # under the cap: in order
     with pytest.raises(ValueError, match="unknown benchmark 'gsm9k'"):
-        suite.load_benchmark("gsm9k", tmp_path)
+        prompts.load_benchmark("gsm9k", tmp_path)
     with pytest.raises(ValueError, match="humaneval.jsonl not found"):
-        suite.load_benchmark("humaneval", tmp_path)
+        prompts.load_benchmark("humaneval", tmp_path)
     (tmp_path / "mbpp.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="mbpp.jsonl:1"):
-        suite.load_benchmark("mbpp", tmp_path)
+        prompts.load_benchmark("mbpp", tmp_path)
     # A line separator inside a JSON string does not end the line; a broken line is named.
     (tmp_path / "alpaca.jsonl").write_text(json.dumps({"turns": ["a\u2028b"]}, ensure_ascii=False)
                                            + "\n", encoding="utf-8")
-    assert suite.load_benchmark("alpaca", tmp_path) == ["a\u2028b"]
+    assert prompts.load_benchmark("alpaca", tmp_path) == ["a\u2028b"]
     (tmp_path / "alpaca.jsonl").write_text('{"turns": ["a"]}\n{"turns": ["b\n', encoding="utf-8")
     with pytest.raises(ValueError, match="alpaca.jsonl:2: not a JSON object"):
-        suite.load_benchmark("alpaca", tmp_path)
+        prompts.load_benchmark("alpaca", tmp_path)
 
 
 def test_plan_batches():

@@ -435,22 +435,3 @@ def test_jit_with_traced_arguments_and_active_masks():
         np.testing.assert_array_equal(got[idx], sub_alg1(c[idx], s))
         assert int(j_cap(c, s, act)) == int(global_search_capacity(c[idx], s))
 
-
-def test_dense_batches_score_every_row_padded_to_the_longest():
-    """A static batch verifies R x bucket(1 + longest) tokens: Algorithm 1 and the global
-    search score that, not sum(1 + l_r). One confident row: flat scoring admits three of its
-    drafts (7 flat tokens), but the dense verify would then run 4 x 4 tokens at half speed."""
-    conf = jnp.asarray([[0.99, 0.99, 0.99]] + [[0.5, 0.5, 0.5]] * 3)
-    sps = jnp.asarray([1.0] * 9 + [0.5] * 8)  # steps/s for 0..16 forward tokens
-    buckets = (1, 2, 4)
-    np.testing.assert_array_equal(prefix_schedule(conf, sps), [3, 1, 0, 0])
-    np.testing.assert_array_equal(prefix_schedule(conf, sps, verify_buckets=buckets), [1, 0, 0, 0])
-    theta = throughput_curve(conf, sps, verify_buckets=buckets)
-    a = np.cumsum([0.99, 0.99 ** 2, 0.99 ** 3])
-    np.testing.assert_allclose(theta[:4], [4.0, 4 + a[0], (4 + a[1]) * 0.5, (4 + a[2]) * 0.5],
-                               rtol=1e-6)
-    assert int(global_search_capacity(conf, sps, verify_buckets=buckets)) == 1
-    for lengths in ([1, 0, 0, 0], [3, 1, 0, 0]):
-        want = float(theta[sum(lengths)]) if lengths[0] == sum(lengths) else (4 + a[2] + 0.5) * 0.5
-        got = expected_throughput(conf, jnp.asarray(lengths), sps, verify_buckets=buckets)
-        np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dspark_jax import cli
-from dspark_jax.serving.engine import sampling_mode
+from dspark_jax.engine.engine import sampling_mode
 from dspark_jax.target import init_target
 
 TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=40, hidden_size=32, intermediate_size=48,

@@ -12,8 +12,8 @@ import pytest
 import dspark_jax
 from dspark_jax.scheduling import sps
 from dspark_jax.serving import bench, loadgen
-from dspark_jax.serving import engine as engine_lib
-from dspark_jax.serving import step as step_lib
+from dspark_jax.engine import engine as engine_lib
+from dspark_jax.engine import step as step_lib
 from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
@@ -88,14 +88,14 @@ def test_sps_cache_follows_the_step_program(tmp_path, monkeypatch):
     first = profile()
     assert len(first.key["program"]) == 16 and first.key["jax"] == jax.__version__
     assert profile().created == first.created  # a new engine, the same program: cached
-    decode_step = step_lib.decode_step
+    run_rounds = step_lib.run_rounds
 
-    @functools.wraps(decode_step)
+    @functools.wraps(run_rounds)
     def changed(*args, **kwargs):
-        slots, caches, out = decode_step(*args, **kwargs)
+        slots, caches, out = run_rounds(*args, **kwargs)
         return slots, caches, out._replace(verified_tokens=out.verified_tokens * 1)
 
-    monkeypatch.setattr(step_lib, "decode_step", changed)
+    monkeypatch.setattr(step_lib, "run_rounds", changed)
     second = profile()
     assert second.key["program"] != first.key["program"] and second.created > first.created
     assert {k: v for k, v in second.key.items() if k != "program"} == \

@@ -8,8 +8,9 @@ import pytest
 
 import dspark_jax
 import law
-from dspark_jax.serving import Engine, token_buckets
-from dspark_jax.serving import step as step_lib
+from dspark_jax import engine as engine_lib
+from dspark_jax.decoding import round as round_lib
+from dspark_jax.engine import Engine, token_buckets
 from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
@@ -41,16 +42,19 @@ def ar_reference(qwen3):
 
 @pytest.fixture(scope="module")
 def traced_widths():
-    """Token counts of every trace of the flat verify forward (one per bucket per program)."""
+    """Token counts of every trace of the speculative flat verify forward (one per bucket per
+    program; the prefill's forward, over a cache of no slots, and the autoregressive reference's
+    rows of width 1 are not counted)."""
     widths = []
-    original = step_lib.ragged_forward
+    original = round_lib.ragged_forward
 
-    def recording(model, tokens, *args, **kwargs):
-        widths.append(tokens.shape[0])
-        return original(model, tokens, *args, **kwargs)
+    def recording(model, tokens, positions, rows, cols, starts, cache, **kwargs):
+        if cache.num_slots and kwargs["width"] > 1:
+            widths.append(tokens.shape[0])
+        return original(model, tokens, positions, rows, cols, starts, cache, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step_lib, "ragged_forward", recording)
+        mp.setattr(round_lib, "ragged_forward", recording)
         yield widths
 
 
@@ -80,15 +84,17 @@ def test_greedy_equals_autoregressive_for_every_policy(engine, ar_reference, pol
     requests = serve(engine, ARRIVALS)
     assert [r.tokens for r in requests] == ar_reference
     for r in requests:
-        assert r.done and r.rounds >= 1 and r.tau >= 1.0
-        assert r.accepted <= r.proposed
+        c = r.counters
+        assert r.done and c["rounds"] >= 1 and r.tau >= 1.0
+        assert c["accepted"] <= c["proposed"]
         # Every token after the first comes from a round; the last round may be cut.
-        assert len(r.tokens) - 1 <= r.tau_sum <= len(r.tokens) - 1 + engine.proposals
+        assert len(r.tokens) - 1 <= c["tau_sum"] <= len(r.tokens) - 1 + engine.proposals
     # Forward tokens per step = active requests + verified drafts, never above the top bucket.
-    assert engine.verified_tokens == engine.active_slot_steps + sum(r.proposed for r in requests)
+    assert engine.verified_tokens == engine.active_slot_steps + sum(r.counters["proposed"]
+                                                                    for r in requests)
     assert set(engine.bucket_counts) <= set(engine.buckets)
     if policy == "fixed":
-        assert all(r.proposed == 2 * r.rounds for r in requests)
+        assert all(r.counters["proposed"] == 2 * r.counters["rounds"] for r in requests)
 
 
 def test_mixed_sampling_settings_keep_greedy_requests_exact(engine, ar_reference):
@@ -102,18 +108,25 @@ def test_mixed_sampling_settings_keep_greedy_requests_exact(engine, ar_reference
         assert 1 <= len(r.tokens) <= MAX_NEW
 
 
-def test_compiles_once_per_policy_and_prompt_bucket(engine, traced_widths):
-    """Run after the tests above: one step program per policy, one admission per prompt
-    bucket, and each step program traced the flat forward once per token bucket."""
-    steps = {key for key in engine._programs if key[0] == "step"}
-    admits = {key for key in engine._programs if key[0] == "admit"}
+def test_compiles_once_per_policy_and_prompt_bucket(engine, traced_widths, ar_reference):
+    """Run after the tests above: one program of rounds per policy, one admission per
+    (admitted rows, prompt width, flat tokens) bucket, each program of rounds traced the flat
+    forward once per token bucket, and serving the same load again compiles nothing."""
+    keys = engine.program_keys
+    rounds = [key for key in keys if key[0] == "rounds"]
+    admits = [key for key in keys if key[0] == "admit"]
     # The policies whose tests ran (the default run leaves three to -m slow), one program each.
-    ran = {key[1] for key in steps}
-    assert {"full", "production"} <= ran <= {p for p, _ in POLICIES} and len(steps) == len(ran)
-    assert admits == {("admit", 16), ("admit", 32)}  # prompts of <= 16 and 17..32 tokens
-    assert engine.num_compiled == len(steps) + len(admits)
+    ran = {key[2] for key in rounds}
+    assert {"full", "production"} <= ran <= {p for p, _ in POLICIES} and len(rounds) == len(ran)
+    assert len(rounds) + len(admits) == engine.num_compiled == len(keys)
+    for _, rows, width, flat in admits:  # prompts of <= 16 and 17..32 tokens, up to 3 at once
+        assert rows in (1, 2, 4) and width in (16, 32) and 16 <= flat <= rows * width
     assert engine.buckets == (4, 12, 24)
-    assert sorted(traced_widths) == sorted(list(engine.buckets) * len(steps))
+    assert sorted(traced_widths) == sorted(list(engine.buckets) * len(rounds))
+    before = len(engine_lib.compiled_programs())
+    engine.set_policy("full")
+    assert [r.tokens for r in serve(engine, ARRIVALS)] == ar_reference
+    assert len(engine_lib.compiled_programs()) == before
 
 
 def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
@@ -147,7 +160,7 @@ def test_token_buckets():
 def test_flat_layout_is_the_marker_tensor():
     lengths = jnp.asarray([2, 7, 0, 3])
     active = jnp.asarray([True, False, True, True])
-    rows, cols, total = step_lib.flat_layout(lengths, active, 10)
+    rows, cols, total = round_lib.flat_layout(lengths, active, 10)
     assert int(total) == 3 + 1 + 4
     np.testing.assert_array_equal(rows, [0, 0, 0, 2, 3, 3, 3, 3, 4, 4])
     np.testing.assert_array_equal(cols, [0, 1, 2, 0, 0, 1, 2, 3, 0, 0])

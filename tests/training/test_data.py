@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import dspark_jax
-from dspark_jax.generation import GenerationResult, chat_ids
+from dspark_jax.generation import GenerationResult
+from dspark_jax.prompts import chat_ids
 from dspark_jax.training import data
 
 MATH_PROMPTS = Path(__file__).resolve().parents[3] / "shared/data/train/math_prompts.jsonl"

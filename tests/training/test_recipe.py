@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 import pytest
 
 import dspark_jax

@@ -29,7 +29,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import scheduling
+from dspark_jax.scheduling import policies as scheduling
 
 POLICIES = ("full", "fixed", "threshold", "prefix", "production")
 
@@ -69,18 +69,15 @@ def default_params(policy, batch: int, proposals: int, params: dict | None = Non
     return out
 
 
-def policy_lengths(policy: str | Callable, confidences, lagged, active, params: dict,
-                   dense_buckets: tuple[int, ...] | None = None):
+def policy_lengths(policy: str | Callable, confidences, lagged, active, params: dict):
     """Draft tokens each row verifies: int32 [b] in 0..P (0 for inactive rows).
 
     Args:
       confidences, lagged: float [b, P] per-step confidence probabilities of the current block /
         of the block verified two rounds earlier (0 in a request's first two rounds).
       active: bool [b] rows still generating.
-      params: from :func:`default_params`.
-      dense_buckets: static verify buckets of a dense batch, where every row runs padded to the
-        bucket of the longest one: ``prefix`` and ``production`` then score b x bucket forward
-        tokens, what is run. None: a flat verify of sum(1 + n_b) tokens (the serving engine).
+      params: from :func:`default_params`. ``prefix`` and ``production`` score the engine's
+        flat verify of sum(1 + n_b) tokens, what is run.
     """
     batch, proposals = confidences.shape
     if callable(policy):
@@ -92,21 +89,7 @@ def policy_lengths(policy: str | Callable, confidences, lagged, active, params: 
     elif policy == "threshold":
         lengths = scheduling.threshold_lengths(confidences, params["threshold"], active)
     elif policy == "prefix":
-        lengths = scheduling.prefix_schedule(confidences, params["sps"], active, dense_buckets)
+        lengths = scheduling.prefix_schedule(confidences, params["sps"], active)
     else:
-        lengths = scheduling.production_schedule(confidences, lagged, params["sps"], active,
-                                                 verify_buckets=dense_buckets)
+        lengths = scheduling.production_schedule(confidences, lagged, params["sps"], active)
     return jnp.where(active, jnp.clip(lengths, 0, proposals), 0).astype(jnp.int32)
-
-
-def verify_buckets(proposals: int, buckets: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """Token counts of the target's verify forward (anchor + drafts), sorted.
-
-    Default: powers of two below ``proposals + 1`` plus ``proposals + 1`` itself, e.g. (1, 2, 4,
-    8) for 7 proposals. A round verifies with the smallest bucket that holds its longest row.
-    """
-    top = proposals + 1
-    if buckets is None:
-        buckets = tuple(1 << i for i in range(top.bit_length()) if (1 << i) < top)
-    buckets = tuple(sorted({int(b) for b in buckets if 0 < int(b) <= top} | {top}))
-    return buckets

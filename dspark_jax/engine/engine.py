@@ -1,0 +1,546 @@
+"""The one engine: continuous batching over S slots, a host loop around two jitted programs.
+
+``Engine(target, drafter, slots=S, max_len=N)`` owns S slots with their KV cache rows
+(``decoding/round.py``). Requests are queued by :meth:`Engine.submit`; :meth:`Engine.step`
+admits queued requests into free slots (one batched prefill, ``engine/step.py: admit``) and
+runs one round over all slots; :meth:`Engine.run` repeats that until everything finished,
+running many rounds per call and returning to the host only when a request ends while others
+wait for a slot. Without a drafter it decodes autoregressively (the same round with no
+proposals). ``generate`` is an offline client of this engine, as the server is an online one.
+
+Compiled programs are shared by every engine of the process (:func:`compiled_programs`): one
+run of rounds per verification policy (and SPS table length; its verify forward is a
+``lax.switch`` over the token buckets) and one admission per (admitted rows, prompt width,
+flat tokens) bucket; sampling settings, policy parameters and the SPS table's values are
+traced, so changing them never recompiles. Under ``jax.set_mesh`` (with the models loaded
+under the same mesh) the engine runs data parallel over slots and tensor parallel over heads:
+cache rows are sharded over the data axes, kv heads over the tensor axis, and the small slot
+state is replicated.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decoding import round as round_lib
+from dspark_jax.decoding.sampling import GREEDY_TEMPERATURE, SamplingParams
+from dspark_jax.engine import step as step_lib
+from dspark_jax.engine.stats import row_counters, stats_from_counters
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.prompts import prompt_bucket
+from dspark_jax.scheduling import sps as sps_lib
+from dspark_jax.scheduling import verification
+
+# One call of run_rounds runs at most this many rounds (a bound on host silence, not on output).
+MAX_ROUNDS_PER_CALL = 1 << 20
+
+
+def sampling_mode(temperature: float, top_p: float, top_k: int) -> str:
+    """"greedy", "sampled" or "sampled-truncated" (top-p < 1 or top-k > 0): what a step's cost
+    depends on among the sampling parameters."""
+    if temperature <= GREEDY_TEMPERATURE:
+        return "greedy"
+    return "sampled-truncated" if top_p < 1.0 or top_k > 0 else "sampled"
+
+
+@dataclasses.dataclass
+class Request:
+    """A request and what the engine recorded about it (times from ``time.perf_counter``)."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated, EOS included
+    # Speculative counters (``engine.stats.COUNTERS``), up to date after every engine call.
+    counters: dict = dataclasses.field(default_factory=dict)
+    # With record_rounds: {"confidence_logits": float32 [r, P], "num_verified": int32 [r],
+    # "num_accepted": int32 [r]} of its r rounds (numpy), set when it finished.
+    trace: dict | None = None
+    submitted_at: float = 0.0
+    admitted_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def stats(self) -> dict:
+        """:func:`engine.stats.stats_from_counters` of this request."""
+        return stats_from_counters(self.counters)
+
+    @property
+    def tau(self) -> float | None:
+        return self.stats["tau"] if self.counters else None
+
+
+def token_buckets(slots: int, proposals: int,
+                  buckets: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Flat token counts of the verify forward, sorted, the last one S * (P + 1).
+
+    Default: the powers of two below S * (P + 1), e.g. (1, 2, 4, ..., 256, 512) for 64 slots and
+    7 proposals. A round runs with the smallest bucket >= its verified tokens.
+    """
+    top = slots * (proposals + 1)
+    if buckets is None:
+        buckets = [1 << i for i in range(top.bit_length()) if (1 << i) < top]
+    return tuple(sorted({int(b) for b in buckets if 0 < int(b) < top} | {top}))
+
+
+def spread_drafts(confidences, lagged, active, params):
+    """Profiling policy: ``params["gamma"]`` draft tokens in total, spread evenly over the
+    active slots (earlier slots take the remainder). int32 [S]."""
+    del confidences, lagged
+    rank = jnp.cumsum(active.astype(jnp.int32)) - 1
+    count = jnp.maximum(jnp.sum(active.astype(jnp.int32)), 1)
+    total = params["gamma"]
+    return (total // count + (rank < total % count)).astype(jnp.int32)
+
+
+class _Programs:
+    """Compiled programs of every engine, keyed by (program, model structures, parameter
+    shardings, state shapes, statics)."""
+
+    def __init__(self):
+        self._cache = {}
+        self._lowered = {}  # lowered by a fingerprint, not compiled yet
+        self._fingerprints = {}
+
+    def _lower(self, fn, args, static):
+        jitted = jax.jit(fn, static_argnums=(0, 2), static_argnames=tuple(static),
+                         donate_argnums=(4, 5))
+        return jitted.lower(*args, **static)
+
+    def get(self, key, fn, args, static) -> tuple:
+        """(compiled program, seconds spent lowering and compiling it now: 0 when cached)."""
+        key = (fn,) + key
+        if key in self._cache:
+            return self._cache[key], 0.0
+        start = time.perf_counter()
+        lowered = self._lowered.pop(key, None) or self._lower(fn, args, static)
+        self._cache[key] = lowered.compile()
+        return self._cache[key], time.perf_counter() - start
+
+    def fingerprint(self, key, fn, args, static) -> str:
+        """16 hex digits of the sha256 of the program's StableHLO text: it changes whenever the
+        computation does (code, shapes, dtypes, shardings), and only then."""
+        key = (fn,) + key
+        if key not in self._fingerprints:
+            lowered = self._lower(fn, args, static)
+            if key not in self._cache:
+                self._lowered[key] = lowered  # compiled from it later, not lowered twice
+            self._fingerprints[key] = hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+        return self._fingerprints[key]
+
+    def clear(self):
+        self._cache.clear()
+        self._lowered.clear()
+        self._fingerprints.clear()
+        jax.clear_caches()
+
+
+_PROGRAMS = _Programs()
+
+
+def compiled_programs() -> list:
+    """Every engine program compiled so far (``jax.stages.Compiled``, in order)."""
+    return list(_PROGRAMS._cache.values())
+
+
+def clear_compiled_programs() -> None:
+    """Forgets every compiled engine program (and JAX's trace caches, so code changes apply)."""
+    _PROGRAMS.clear()
+
+
+def _shardings(state) -> tuple:
+    return tuple(leaf.sharding for leaf in jax.tree.leaves(state))
+
+
+def machine_sps_table(target, drafter, *, slots: int, prompt_len: int, max_new_tokens: int,
+                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """This machine's steps/s table float32 [slots * (P + 1) + 1] by forward tokens, for
+    ``slots`` requests of prompts up to ``prompt_len`` tokens and ``max_new_tokens``: the
+    profile of the engine's round (:meth:`Engine.profile_sps`, cache rows rounded up to a
+    multiple of 256 so that similar runs share it), measured once per key and then read from
+    the cache."""
+    cache = prompt_bucket(prompt_len) + max_new_tokens + drafter.num_proposals + 1
+    engine = Engine(target, drafter, slots=slots, max_len=-(-cache // 256) * 256)
+    return engine.profile_sps(temperature=temperature, top_p=top_p, top_k=top_k).table()
+
+
+class Engine:
+    """Continuous batching with S slots over a target and, optionally, its drafter.
+
+    Args:
+      target: a loaded Target; drafter: a Drafter of ``target`` (None: autoregressive).
+      slots: S, the number of requests decoded together.
+      max_len: N, cache slots per request: prompt + max_new_tokens must fit.
+      policy, policy_params: the verification policy (``verification.POLICIES`` or a function)
+        and its parameters, e.g. {"gamma": 2} or {"sps": table}; see :meth:`set_policy`.
+      buckets: flat token counts of the verify forward (default :func:`token_buckets`).
+      seed: PRNG seed of the sampling.
+      record_rounds: R, rounds of each request to record (``Request.trace``; 0: none).
+    """
+
+    def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",
+                 policy_params: dict | None = None, buckets: Sequence[int] | None = None,
+                 seed: int = 0, record_rounds: int = 0):
+        if drafter is not None and drafter.target is not target:
+            raise ValueError("the drafter was built for another target object")
+        if slots < 1 or max_len < 2:
+            raise ValueError(f"need slots >= 1 and max_len >= 2, got {slots} and {max_len}")
+        self.target, self.drafter = target, drafter
+        self.num_slots, self.max_len = slots, max_len
+        self.proposals = 0 if drafter is None else drafter.num_proposals
+        # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.
+        self._temperatures = (np.ones((self.proposals,), np.float32)
+                              if drafter is None or drafter.confidence_temperatures is None
+                              else np.asarray(drafter.confidence_temperatures, np.float32))
+        self.buckets = token_buckets(slots, self.proposals, buckets)
+        self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
+        self._key = jax.random.key(seed)
+        self.compile_s = 0.0
+        self._used: set = set()  # keys (without the engine's structure) of the programs it ran
+        self.set_policy(policy, policy_params)
+        cfg = target.config
+
+        def empty_state(key):
+            d_cache = None if drafter is None else drafter.model.init_cache(slots, max_len)
+            caches = round_lib.Caches(
+                KVCache.zeros(cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads,
+                              cfg.head_dim, target.dtype), d_cache)
+            return round_lib.laid_out(
+                round_lib.Slots.empty(slots, self.proposals, cfg.vocab_size, max_len, key,
+                                      record_rounds), caches)
+
+        # Under jax.set_mesh the state is laid out over the mesh (round.laid_out); every leaf is
+        # its own buffer, so the state can be donated.
+        self._slots, self._caches = jax.jit(empty_state)(self._key)
+        self._free = list(range(slots))
+        self._running: dict[int, Request] = {}
+        self._queue: collections.deque[Request] = collections.deque()
+        self._next_id = 0
+        self.reset_stats()
+
+    # -- configuration ---------------------------------------------------------------------
+
+    def set_policy(self, policy, policy_params: dict | None = None) -> None:
+        """Chooses the verification policy of the next rounds.
+
+        ``"prefix"`` and ``"production"`` read a steps/s table {"sps": [...]} indexed by flat
+        verify tokens (:meth:`profile_sps`); without one they see a flat table (and warn).
+
+        Raises:
+          ValueError: an unknown policy or parameter.
+        """
+        self.policy_params = verification.default_params(policy, self.num_slots, self.proposals,
+                                                          policy_params, self._temperatures)
+        self.policy = policy
+
+    def reset_stats(self) -> None:
+        """Zeroes the engine counters (rounds, verified tokens, bucket use)."""
+        self.steps = 0
+        self.verified_tokens = 0
+        self.active_slot_steps = 0
+        self.bucket_counts = collections.Counter()
+
+    @property
+    def program_keys(self) -> list[tuple]:
+        """The programs this engine has run: ("rounds", buckets, policy, SPS table length) and
+        ("admit", admitted rows, prompt width, flat tokens); each is compiled once per process."""
+        return sorted(self._used, key=repr)
+
+    @property
+    def num_compiled(self) -> int:
+        """Distinct programs this engine has run (:attr:`program_keys`)."""
+        return len(self._used)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._running)
+
+    # -- programs ---------------------------------------------------------------------------
+
+    def _models(self):
+        d = self.drafter
+        return (self.target.graphdef, self.target.state, None if d is None else d.graphdef,
+                None if d is None else d.state)
+
+    def _structure(self) -> tuple:
+        """What every program of this engine depends on besides its own shapes."""
+        t, d = self.target, self.drafter
+        key = (t.graphdef, str(t.dtype), _shardings(t.state), self.num_slots, self.max_len,
+               self._slots.trace.num_verified.shape[1], self.eos_ids.shape[0])
+        if d is not None:
+            key += (d.graphdef, str(d.dtype), _shardings(d.state))
+        return key
+
+    def _program(self, key, fn, args, static):
+        program, seconds = _PROGRAMS.get(self._structure() + key, fn, args, static)
+        self.compile_s += seconds
+        self._used.add(key)
+        return program
+
+    def _rounds_program(self, policy, policy_params, eos_ids):
+        """(program key, args, static args) of a run of rounds under ``policy``."""
+        args = self._models() + (self._slots, self._caches, eos_ids, policy_params,
+                                 jnp.int32(1), jnp.bool_(False))
+        key = ("rounds", self.buckets, policy if self.drafter is not None else None,
+               policy_params["sps"].shape[0])
+        return key, args, dict(buckets=self.buckets, policy=policy)
+
+    def _run_rounds(self, limit: int, stop_on_finish: bool, policy=None, policy_params=None,
+                    eos_ids=None) -> step_lib.RunSummary:
+        policy = self.policy if policy is None else policy
+        policy_params = self.policy_params if policy_params is None else policy_params
+        eos_ids = self.eos_ids if eos_ids is None else eos_ids
+        key, args, static = self._rounds_program(policy, policy_params, eos_ids)
+        args = args[:-2] + (jnp.int32(limit), jnp.bool_(stop_on_finish))
+        program = self._program(key, step_lib.run_rounds, args, static)
+        self._slots, self._caches, summary = program(*(a for i, a in enumerate(args)
+                                                       if i not in (0, 2)))
+        return summary
+
+    def _prompt_width(self, length: int) -> int:
+        return min(prompt_bucket(length), self.max_len)
+
+    def _admissions(self, pairs: Sequence[tuple[int, Request]]) -> tuple[round_lib.Admissions, int]:
+        """The admission pytree of (slot, request) pairs and its static prompt width W: rows
+        padded to a power of two, prompts laid out flat and padded to a prompt bucket."""
+        rows = 1 << (len(pairs) - 1).bit_length()
+        lengths = [len(r.prompt) for _, r in pairs]
+        width = self._prompt_width(max(lengths))
+        flat = min(prompt_bucket(sum(lengths)), rows * width)
+        tokens, row_of, cols = (np.zeros((flat,), np.int32) for _ in range(3))
+        row_of[:] = rows
+        at = 0
+        for i, (_, r) in enumerate(pairs):
+            n = len(r.prompt)
+            tokens[at:at + n], row_of[at:at + n], cols[at:at + n] = r.prompt, i, np.arange(n)
+            at += n
+        pad = rows - len(pairs)
+
+        def column(values, fill, dtype):
+            return np.asarray(list(values) + [fill] * pad, dtype)
+
+        requests = [r for _, r in pairs]
+        admissions = round_lib.Admissions(
+            slot=column((s for s, _ in pairs), self.num_slots, np.int32),
+            length=column(lengths, 1, np.int32), tokens=tokens, rows=row_of, cols=cols,
+            max_new=column((r.max_new_tokens for r in requests), 1, np.int32),
+            sampling=SamplingParams(column((r.temperature for r in requests), 0.0, np.float32),
+                                    column((r.top_p for r in requests), 1.0, np.float32),
+                                    column((r.top_k for r in requests), 0, np.int32)),
+            salt=np.int32(requests[0].id))
+        return admissions, width
+
+    def _admit(self, pairs: Sequence[tuple[int, Request]], eos_ids=None) -> None:
+        eos_ids = self.eos_ids if eos_ids is None else eos_ids
+        admissions, width = self._admissions(pairs)
+        args = self._models() + (self._slots, self._caches, admissions, eos_ids,
+                                 self._temperatures)
+        key = ("admit", admissions.slot.shape[0], width, admissions.tokens.shape[0])
+        program = self._program(key, step_lib.admit, args, dict(width=width))
+        self._slots, self._caches, _ = program(*(a for i, a in enumerate(args) if i not in (0, 2)))
+
+    def compile(self, max_prompt_len: int) -> float:
+        """Compiles the current policy's rounds and the one-request admissions of every prompt
+        bucket up to ``max_prompt_len`` now (so that serving rarely stops to compile); returns
+        seconds spent. Admissions of several requests at once compile when first needed."""
+        before = self.compile_s
+        key, args, static = self._rounds_program(self.policy, self.policy_params, self.eos_ids)
+        self._program(key, step_lib.run_rounds, args, static)
+        lengths = {self._prompt_width(n): n for n in range(max_prompt_len, 0, -1)}
+        for width, length in sorted(lengths.items()):
+            admissions, width = self._admissions([(0, Request(0, [0] * length, 1))])
+            args = self._models() + (self._slots, self._caches, admissions, self.eos_ids,
+                                     self._temperatures)
+            key = ("admit", 1, width, admissions.tokens.shape[0])
+            self._program(key, step_lib.admit, args, dict(width=width))
+        return self.compile_s - before
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0) -> Request:
+        """Queues a request (token ids); it joins at the next :meth:`step` with a free slot.
+
+        Raises:
+          ValueError: empty prompt, ids outside the vocabulary, max_new_tokens < 1, or a
+            prompt + max_new_tokens that does not fit ``max_len``.
+        """
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(ids) + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} does "
+                             f"not fit the slot size max_len={self.max_len}")
+        self.target.check_token_ids(np.asarray(ids))
+        request = Request(self._next_id, ids, max_new_tokens, float(temperature), float(top_p),
+                          int(top_k), submitted_at=time.perf_counter())
+        self._next_id += 1
+        self._queue.append(request)
+        return request
+
+    def _admit_queued(self) -> None:
+        pairs = []
+        while self._queue and self._free:
+            request, slot = self._queue.popleft(), self._free.pop(0)
+            request.admitted_at = time.perf_counter()
+            self._running[slot] = request
+            pairs.append((slot, request))
+        if pairs:
+            self._admit(pairs)
+
+    def _harvest(self, summary: step_lib.RunSummary | None) -> list[Request]:
+        """Reads the state back once: new tokens and counters of every running request; frees
+        the slots of the finished ones and returns them."""
+        s = self._slots
+        record = s.trace.num_verified.shape[1] > 0
+        active, generated, output, counters, trace, summary = jax.device_get(
+            (s.active, s.generated, s.output, s.counters, s.trace if record else None, summary))
+        if summary is not None and int(summary.rounds):
+            self.steps += int(summary.rounds)
+            self.verified_tokens += int(summary.verified_tokens)
+            self.active_slot_steps += int(summary.active_slot_rounds)
+            for bucket, count in zip(self.buckets, summary.bucket_counts.tolist()):
+                if count:
+                    self.bucket_counts[bucket] += count
+        now = time.perf_counter()
+        finished = []
+        for slot, request in list(self._running.items()):
+            request.tokens = output[slot, :generated[slot]].tolist()
+            request.counters = row_counters(counters, slot)
+            if not active[slot]:
+                request.finished_at = now
+                if trace is not None:
+                    r = request.counters["rounds"]
+                    request.trace = {name: np.asarray(getattr(trace, name)[slot, :r])
+                                     for name in ("confidence_logits", "num_verified",
+                                                  "num_accepted")}
+                del self._running[slot]
+                self._free.append(slot)
+                finished.append(request)
+        self._free.sort()
+        return finished
+
+    def step(self) -> list[Request]:
+        """Admits queued requests into free slots (one prefill), runs one round, returns the
+        requests that finished. The admission and the round are dispatched back to back and
+        read once at the end."""
+        self._admit_queued()
+        summary = self._run_rounds(1, False) if self._running else None
+        return self._harvest(summary)
+
+    def run(self, progress: Callable[[list[Request]], None] | None = None) -> list[Request]:
+        """Decodes until every queued and running request finished; returns them in finish order.
+
+        Rounds run on the device without host round trips until a request ends while others
+        wait in the queue (then the freed slots are refilled) or everything is done.
+        ``progress`` is called with the requests that finished after each engine call."""
+        finished = []
+        while self.busy:
+            self._admit_queued()
+            summary = (self._run_rounds(MAX_ROUNDS_PER_CALL, bool(self._queue))
+                       if self._running else None)
+            done = self._harvest(summary)
+            if progress is not None and done:
+                progress(done)
+            finished.extend(done)
+        return finished
+
+    # -- steps/s profile ----------------------------------------------------------------------
+
+    def _profiling_params(self, gamma: int) -> dict:
+        """Parameters of the profiling policy: ``gamma`` drafts spread over the active slots."""
+        return verification.default_params(spread_drafts, self.num_slots, self.proposals,
+                                           {"gamma": gamma}, self._temperatures)
+
+    def sps_key(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:
+        """What the cost of a round depends on: the cache key of its steps/s profile.
+
+        Greedy rounds skip the probability rows and the random draws, and truncated sampling
+        sorts the vocabulary, so the sampling mode is part of the key. ``program`` hashes the
+        profiled program's StableHLO, so a change to the round's code, or to anything it is
+        traced with, measures a new profile; ``jax`` covers the compiler."""
+        if self.drafter is None:
+            raise ValueError("a steps/s profile needs a drafter (it sizes speculative verification)")
+        cfg, dcfg = self.target.config, self.drafter.config
+        model = self.target.name or (f"{cfg.model_type}-L{cfg.num_hidden_layers}-d{cfg.hidden_size}"
+                                     f"-V{cfg.vocab_size}")
+        key, args, static = self._rounds_program(spread_drafts, self._profiling_params(0),
+                                                 jnp.asarray([-1], jnp.int32))
+        program = _PROGRAMS.fingerprint(self._structure() + key, step_lib.run_rounds, args, static)
+        return dict(model=model, dtype=str(np.dtype(self.target.dtype)),
+                    device_kind=jax.devices()[0].device_kind, buckets=list(self.buckets),
+                    slots=self.num_slots, max_len=self.max_len,
+                    sampling=sampling_mode(temperature, top_p, top_k),
+                    drafter=dict(layers=dcfg.num_layers, block_size=dcfg.block_size,
+                                 head=dcfg.head, markov_rank=dcfg.markov_rank),
+                    program=program, jax=jax.__version__)
+
+    def profile_sps(self, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    repeats: int = 10, warmup: int = 3, refresh: bool = False,
+                    cache: bool = True, progress: Callable[[str], None] | None = None
+                    ) -> sps_lib.SPSProfile:
+        """Measures steps/s of this engine's round at every token bucket B (cached).
+
+        Profile with the sampling parameters of the load the table will schedule: a greedy
+        round costs less than a sampled one. A cached profile is used only when its key
+        (:meth:`sps_key`, including the hash of the program) is the current one.
+
+        A round is timed whole (policy, flat verify forward of B tokens, rejection sampling,
+        draft of all S slots, host read of its summary): min(B, S) slots are active and
+        B - min(B, S) drafts are spread over them. The engine must be idle; its slots are left
+        free.
+        """
+        if self.busy:
+            raise RuntimeError("profile_sps needs an idle engine")
+
+        def measure():
+            no_eos = jnp.asarray([-1], jnp.int32)
+            prompt = [0] * min(8, self.max_len - 1)
+            fill = [(slot, Request(0, prompt, self.max_len - len(prompt), temperature, top_p,
+                                   top_k)) for slot in range(self.num_slots)]
+            self._admit(fill, no_eos)
+            start_pos = np.full((self.num_slots,), len(prompt), np.int32)
+
+            def time_step(tokens: int) -> float:
+                active = np.arange(self.num_slots) < min(tokens, self.num_slots)
+                self._set_slots(active=active, anchor_pos=start_pos,
+                                generated=np.ones_like(start_pos))
+                params = self._profiling_params(tokens - min(tokens, self.num_slots))
+                start = time.perf_counter()
+                summary = jax.device_get(self._run_rounds(1, False, spread_drafts, params, no_eos))
+                seconds = time.perf_counter() - start
+                assert int(summary.verified_tokens) == tokens, (int(summary.verified_tokens), tokens)
+                return seconds
+
+            try:
+                return sps_lib.measure_grid(time_step, self.buckets, repeats=repeats,
+                                            warmup=warmup, progress=progress)
+            finally:
+                self._set_slots(active=np.zeros((self.num_slots,), bool))
+
+        return sps_lib.cached_profile(self.sps_key(temperature, top_p, top_k), measure,
+                                      refresh=refresh, cache=cache)
+
+    def _set_slots(self, **fields: np.ndarray) -> None:
+        """Sets slot fields from host values, placed like the current ones (their shardings)."""
+        self._slots = self._slots.replace(**{
+            name: jax.device_put(value, getattr(self._slots, name).sharding)
+            for name, value in fields.items()})
+
