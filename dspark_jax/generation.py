@@ -17,6 +17,10 @@ from dspark_jax.engine import Engine
 from dspark_jax.prompts import encode_prompts, prompt_bucket
 from dspark_jax.target import Target
 
+# Cache slots per row are rounded up to a multiple of this: calls whose prompt bucket and
+# max_new_tokens differ a little run the same compiled programs.
+CACHE_STEP = 32
+
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -72,7 +76,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     encoded = encode_prompts(target, prompts)
     rows = min(len(encoded), max_batch or len(encoded))
     proposals = 0 if drafter is None else drafter.num_proposals
-    max_len = prompt_bucket(max(len(p) for p in encoded)) + max_new_tokens + proposals + 1
+    needed = prompt_bucket(max(len(p) for p in encoded)) + max_new_tokens + proposals + 1
+    max_len = -(-needed // CACHE_STEP) * CACHE_STEP  # nearby max_new_tokens share programs
     engine = Engine(target, drafter, slots=rows, max_len=max_len, policy=verify,
                     policy_params=verify_params, buckets=buckets, seed=seed,
                     record_rounds=max_new_tokens if record and drafter is not None else 0)

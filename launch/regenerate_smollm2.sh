@@ -4,7 +4,7 @@
 # sets only, in three domains (math; ShareGPT prompts that ask for code; the other ShareGPT
 # prompts), plus a held-out split of each from prompts far from the training ones.
 #
-# Round-robin: every round adds PER_ROUND prompts to each domain, so a run stopped at any point
+# Round-robin: every round adds PER_ROUND (128) prompts to each domain, so a run stopped at any point
 # holds all three; every `prepare-data` call resumes after its last complete shard, so rerunning
 # this script continues where it stopped (also after a kill).
 #
@@ -13,8 +13,12 @@ set -euo pipefail
 ROUNDS=${1:-40}
 DATA=${DATA:-data/campaign}
 SHARED=${SHARED:-../shared/data/train}
-PER_ROUND=${PER_ROUND:-64}
-COMMON=(--batch-size 32 --max-new-tokens 192 --max-length 512 --shard-size 32)
+PER_ROUND=${PER_ROUND:-128}
+# 32 rows decode together; a shard (up to 128 prompts: a round's share) is one generate call,
+# so a finished row's slot takes the next prompt (continuous batching). The first shards were
+# written 32 prompts each (64 prompts per round); rows, shard size and round size only group
+# the work, so every folder resumes with any of them.
+COMMON=(--batch-size 32 --max-new-tokens 192 --max-length 512 --shard-size 128)
 
 domain() {  # name, first prompt, count, extra prepare-data arguments
   local name=$1 first=$2 count=$3; shift 3

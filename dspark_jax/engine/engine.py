@@ -151,6 +151,9 @@ class _Programs:
 
 
 _PROGRAMS = _Programs()
+# Model structures (graphdefs, dtypes, parameter shardings) -> a small id for program keys, so
+# that a step's key is hashed in microseconds (ids are never reused within a process).
+_MODELS: dict = {}
 
 
 def compiled_programs() -> list:
@@ -212,6 +215,7 @@ class Engine:
         self._key = jax.random.key(seed)
         self.compile_s = 0.0
         self._used: set = set()  # keys (without the engine's structure) of the programs it ran
+        self._structure_id = None
         self.set_policy(policy, policy_params)
         cfg = target.config
 
@@ -278,13 +282,16 @@ class Engine:
                 None if d is None else d.state)
 
     def _structure(self) -> tuple:
-        """What every program of this engine depends on besides its own shapes."""
-        t, d = self.target, self.drafter
-        key = (t.graphdef, str(t.dtype), _shardings(t.state), self.num_slots, self.max_len,
-               self._slots.trace.num_verified.shape[1], self.eos_ids.shape[0])
-        if d is not None:
-            key += (d.graphdef, str(d.dtype), _shardings(d.state))
-        return key
+        """What every program of this engine depends on besides its own shapes: (an id of) the
+        model structures, dtypes and parameter shardings, and the state's shapes."""
+        if self._structure_id is None:
+            t, d = self.target, self.drafter
+            models = (t.graphdef, str(t.dtype), _shardings(t.state))
+            if d is not None:
+                models += (d.graphdef, str(d.dtype), _shardings(d.state))
+            self._structure_id = _MODELS.setdefault(models, len(_MODELS))
+        return (self._structure_id, self.num_slots, self.max_len,
+                self._slots.trace.num_verified.shape[1], self.eos_ids.shape[0])
 
     def _program(self, key, fn, args, static):
         program, seconds = _PROGRAMS.get(self._structure() + key, fn, args, static)

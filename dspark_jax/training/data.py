@@ -173,15 +173,26 @@ def _new_manifest(sources: list[dict], settings: dict) -> dict:
                 dropped=dict(empty_prompt=0, long_prompt=0, few_loss_tokens=0))
 
 
+# Settings that group the work (rows decoding together, prompts per shard) without changing
+# what a sample is: a folder may be resumed with others (each shard records its prompt range).
+GROUPING_SETTINGS = ("batch_size", "shard_size")
+
+
 def _resume_manifest(out_dir: Path, sources: list[dict], settings: dict) -> dict:
-    """The existing manifest when its sources and settings match; a fresh one when absent."""
+    """The existing manifest when its sources and settings (but for GROUPING_SETTINGS) match,
+    with the grouping updated to ``settings``; a fresh one when absent."""
     manifest = load_manifest(out_dir)
     if manifest is None:
         return _new_manifest(sources, settings)
     old_paths = [s["path"] for s in manifest["sources"]]
-    if old_paths != [s["path"] for s in sources] or manifest["settings"] != settings:
+
+    def identity(values):
+        return {k: v for k, v in values.items() if k not in GROUPING_SETTINGS}
+
+    if old_paths != [s["path"] for s in sources] or identity(manifest["settings"]) != identity(settings):
         raise ValueError(f"{out_dir} holds data of other prompt files or settings "
                          f"({manifest['settings']}, sources {old_paths}); use a new folder")
+    manifest["settings"] = dict(manifest["settings"], **{k: settings[k] for k in GROUPING_SETTINGS})
     return manifest
 
 
@@ -244,7 +255,7 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
       target: the target model, with a tokenizer (its chat template formats the prompts).
       prompt_files: JSONL prompt files (never evaluation sets), read in order.
       out_dir: output folder (created; an existing run there with the same files and settings
-        is resumed after its last complete shard).
+        is resumed after its last complete shard; ``batch_size`` and ``shard_size`` may differ).
       max_samples: use only the first ``max_samples`` prompts (None: all); kept samples are
         fewer when some are dropped. A later run with a larger value extends the data set.
       first_prompt: skip the prompts before this index (a held-out split: e.g. train on the

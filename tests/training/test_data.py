@@ -138,6 +138,13 @@ def test_resume_after_kill_equals_uninterrupted(smollm2, uninterrupted, math_fil
 
     reference_dir, reference = uninterrupted
     assert resumed == reference
+    # Rows per batch and prompts per shard group the work only: another grouping resumes.
+    sources = [dict(path=str(Path(f).resolve()), records=len(data.read_prompts([f])))
+               for f in math_files]
+    regrouped = data._resume_manifest(out, sources, dict(resumed["settings"], batch_size=1,
+                                                          shard_size=5))
+    assert regrouped["prompts_done"] == 6
+    assert (regrouped["settings"]["batch_size"], regrouped["settings"]["shard_size"]) == (1, 5)
     for key, value in read_all(reference_dir).items():
         np.testing.assert_array_equal(read_all(out)[key], value, err_msg=key)
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard_00000.npz",
