@@ -313,33 +313,45 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
 
     def verify_branch(size):
         """Target forward over the first ``size`` flat tokens and the verdict of every slot; the
-        verified rows come back in the [S, Q] grid. When every active slot is greedy the verdict
-        comes from the target's argmax alone (``rejection.greedy_verify``)."""
+        verified rows come back in the [S, Q] grid. The top bucket (S * Q tokens) runs the whole
+        grid instead, row-major (unverified columns and free slots are padding), so its grid is
+        a reshape. When every active slot is greedy the verdict comes from the target's argmax
+        alone (``rejection.greedy_verify``)."""
+        dense = size == num_slots * width
+
         def run(t_cache, tokens, positions, rows, cols, sampling, num_draft):
+            if dense:
+                tokens = verify_tokens.reshape(-1)
+                positions = (anchor_pos[:, None] + jnp.arange(width)).reshape(-1)
             o = ragged_forward(target, tokens[:size], positions[:size], rows[:size], cols[:size],
-                               anchor_pos, t_cache, width=width, tap_layer_ids=taps)
+                               anchor_pos, t_cache, width=width, tap_layer_ids=taps, dense=dense)
             logits = target.logits(o.hidden)  # [size, V]
             at = (rows[:size], cols[:size])
 
+            def to_slots(x):  # [size, ...] -> [S, Q, ...]
+                if dense:
+                    return x.reshape((num_slots, width) + x.shape[1:])
+                return to_grid(x, *at, num_slots, width)
+
             def sampled():
                 if proposals == 0:  # autoregressive: the next token is drawn from the target row
-                    grid = to_grid(logits, *at, num_slots, 1)[:, 0]
-                    nxt, _ = sample(k_verify, grid, sampling.temperature, sampling.top_p,
-                                    sampling.top_k)
+                    nxt, _ = sample(k_verify, to_slots(logits)[:, 0], sampling.temperature,
+                                    sampling.top_p, sampling.top_k)
                     return rejection.VerifyResult(jnp.zeros_like(nxt), nxt,
                                                   jnp.zeros((num_slots, 0), bool))
-                row_of = jnp.minimum(rows[:size], num_slots - 1)
+                row_of = (jnp.arange(size) // width if dense
+                          else jnp.minimum(rows[:size], num_slots - 1))
                 probs = sampling_probs(logits, sampling.temperature[row_of],
                                        sampling.top_p[row_of], sampling.top_k[row_of])
                 return rejection.rejection_sample(k_verify, slots.block_tokens, slots.block_probs,
-                                                  to_grid(probs, *at, num_slots, width), num_draft)
+                                                  to_slots(probs), num_draft)
 
             def greedy():
-                grid = to_grid(argmax(logits), *at, num_slots, width)
-                return rejection.greedy_verify(slots.block_tokens, grid, num_draft)
+                return rejection.greedy_verify(slots.block_tokens, to_slots(argmax(logits)),
+                                               num_draft)
 
             verdict = jax.lax.cond(all_greedy, greedy, sampled)
-            tap_grid = None if o.taps is None else to_grid(o.taps, *at, num_slots, width)
+            tap_grid = None if o.taps is None else to_slots(o.taps)
             return verdict, tap_grid, o.new_k, o.new_v
         return run
 

@@ -44,7 +44,7 @@ def to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width
 
 def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows: jax.Array,
                    cols: jax.Array, starts: jax.Array, cache: KVCache, *, width: int,
-                   tap_layer_ids: tuple[int, ...] = ()) -> RaggedOutput:
+                   tap_layer_ids: tuple[int, ...] = (), dense: bool = False) -> RaggedOutput:
     """Runs the decoder on flat tokens that extend the rows of ``cache``.
 
     Args:
@@ -57,6 +57,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       cache: k/v [L, S, K, N, D], only read (the new entries come back in the grid layout).
       width: Q, the static number of columns of the grid.
       tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
+      dense: the tokens are the whole [S, Q] grid, row-major (T = S * width; ``rows`` and
+        ``cols`` are then ignored): the grid is a reshape, with no scatter or gather.
 
     Returns:
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
@@ -80,6 +82,11 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     safe_rows = jnp.minimum(rows, num_rows - 1)
     graphdef, layer_state = nnx.split(model.layers)
 
+    def grid(x):  # [T, ...] -> [S, Q, ...]
+        if dense:
+            return x.reshape((num_rows, width) + x.shape[1:])
+        return to_grid(x, rows, cols, num_rows, width)
+
     def step(carry, xs):
         h, taps = carry
         state, index, k_cache, v_cache = xs
@@ -88,15 +95,13 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         x = layer.input_layernorm(h)
         q = attn.queries(x, cos, sin)[0]
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos, sin))
-        k_grid = to_grid(k_new, rows, cols, num_rows, width)
-        v_grid = to_grid(v_new, rows, cols, num_rows, width)
-        q_grid = to_grid(q, rows, cols, num_rows, width)
+        k_grid, v_grid, q_grid = (grid(x) for x in (k_new, v_new, q))
         if num_slots:
             out = attend_cached(q_grid, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
                                 cached, k_grid, v_grid, causal)
         else:  # a prefill: no history, long rows attended in query chunks
             out = attend(q_grid, k_grid, v_grid, causal)
-        out = out[safe_rows, cols]
+        out = out.reshape(q.shape) if dense else out[safe_rows, cols]
         h = h + attn.output(out[None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if taps is not None:
