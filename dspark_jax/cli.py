@@ -254,8 +254,9 @@ def _serving_models(args):
 
 
 def cmd_profile_sps(args) -> int:
-    from dspark_jax.scheduling import sps
     from dspark_jax.engine import Engine
+    from dspark_jax.evaluation.figures import plot_sps_profile
+    from dspark_jax.scheduling import sps
 
     target, drafter = _serving_models(args)
     buckets = [int(b) for b in _csv(args.buckets)] if args.buckets else None
@@ -263,7 +264,7 @@ def cmd_profile_sps(args) -> int:
     profile = engine.profile_sps(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  repeats=args.repeats, warmup=args.warmup, refresh=args.refresh)
     path = sps.cache_file(profile.key)
-    plot = sps.plot_profile(profile, args.plot or path.with_suffix(".png"))
+    plot = plot_sps_profile(profile, args.plot or path.with_suffix(".png"))
     for tokens, seconds in zip(profile.grid, profile.seconds):
         print(f"B = {tokens:5d} tokens: {1 / seconds:9.1f} steps/s ({1000 * seconds:.2f} ms)")
     print(f"profile: {path}\nplot: {plot}")

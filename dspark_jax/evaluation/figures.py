@@ -38,6 +38,7 @@ from dspark_jax.evaluation.metrics import (
     threshold_sweep,
 )
 from dspark_jax.evaluation.trace import AcceptanceTrace
+from dspark_jax.scheduling.sps import SPSProfile
 
 __all__ = [
     "conditional_acceptance_data",
@@ -273,3 +274,26 @@ def write_figure(data: dict, png_path) -> tuple[Path, Path]:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
     return plot_from_json(json_path, png_path), json_path
+
+
+def plot_sps_profile(profile: SPSProfile, path, mode: str = "step") -> Path:
+    """PNG of a steps/s table against forward tokens, with the measured points marked."""
+    table = profile.table(mode)
+    fig = Figure(figsize=(6.4, 4.0))
+    ax = fig.subplots()
+    ax.plot(np.arange(1, table.shape[0]), table[1:], label=f"table ({mode})",
+            drawstyle="steps-pre" if mode == "step" else "default")
+    ax.plot(profile.grid, profile.steps_per_s, "o", label="measured (median)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("forward batch size B (tokens)")
+    ax.set_ylabel("steps / s")
+    key = profile.key
+    ax.set_title(f"SPS: {key.get('model', '')} {key.get('dtype', '')} on "
+                 f"{key.get('device_kind', '')}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, format="png")
+    return path

@@ -173,31 +173,3 @@ def cached_profile(key: dict, measure: Callable[[], tuple[list[int], list[list[f
     if cache:
         save_profile(profile, path)
     return profile
-
-
-def plot_profile(profile: SPSProfile, path: str | os.PathLike, mode: str = "step") -> Path:
-    """PNG of the steps/s table against forward tokens, with the measured points marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = profile.table(mode)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    ax.plot(np.arange(1, table.shape[0]), table[1:], label=f"table ({mode})",
-            drawstyle="steps-pre" if mode == "step" else "default")
-    ax.plot(profile.grid, profile.steps_per_s, "o", label="measured (median)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("forward batch size B (tokens)")
-    ax.set_ylabel("steps / s")
-    key = profile.key
-    ax.set_title(f"SPS: {key.get('model', '')} {key.get('dtype', '')} on "
-                 f"{key.get('device_kind', '')}", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from dspark_jax.evaluation.figures import plot_sps_profile
 from dspark_jax.scheduling import prefix_schedule, sps
 
 
@@ -70,5 +71,5 @@ def test_profile_is_cached_by_key(tmp_path, monkeypatch):
 
 def test_plot_writes_a_png(tmp_path):
     profile = sps.SPSProfile(dict(model="tiny"), [1, 2, 4], [0.01, 0.01, 0.02], [[0.01]] * 3)
-    path = sps.plot_profile(profile, tmp_path / "sps.png")
+    path = plot_sps_profile(profile, tmp_path / "sps.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
