@@ -133,7 +133,7 @@ def main():
     print(drafter_desc, flush=True)
     tcfg = target.config
     dcfg = drafter.config
-    proposals = dcfg.block_size - drafter.model.first_proposal_slot
+    proposals = drafter.num_proposals
     top = proposals + 1
     taps_ids = tuple(dcfg.target_layer_ids)
     rng = np.random.default_rng(0)

@@ -23,7 +23,7 @@ from dspark_jax.checkpoints import deepspec
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints import calibration_file as calibration
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
-from dspark_jax.models.drafter import DrafterModel
+from dspark_jax.models.drafter import DrafterModel, first_proposal_slot
 from dspark_jax.target import Target
 
 
@@ -52,7 +52,7 @@ class Drafter:
     @property
     def num_proposals(self) -> int:
         """P: draft tokens per block (block_size, less the anchor slot when it does not predict)."""
-        return self.config.block_size - (0 if self.config.anchor_predicts else 1)
+        return self.config.block_size - first_proposal_slot(self.config)
 
     def calibrate(self, temperatures, fit: dict | None = None) -> None:
         """Sets the STS confidence temperatures [P] every verification policy then uses."""

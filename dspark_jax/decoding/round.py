@@ -114,10 +114,6 @@ class Slots:
                    Counters.zeros(slots, proposals), Trace.zeros(slots, record_rounds, proposals),
                    key)
 
-    @property
-    def num_proposals(self) -> int:
-        return self.block_tokens.shape[1]
-
 
 @struct.dataclass
 class Caches:

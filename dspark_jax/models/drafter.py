@@ -38,6 +38,12 @@ from dspark_jax.models.layers import (Linear, RMSNorm, _param, attend_blockwise,
                                       rope_frequencies)
 
 
+def first_proposal_slot(cfg) -> int:
+    """The first block slot that proposes a token: 0 when the anchor slot predicts (DeepSpec),
+    1 when only the mask slots do (z-lab DFlash). P = block_size - this."""
+    return 0 if cfg.anchor_predicts else 1
+
+
 class DraftOutput(NamedTuple):
     hidden: jax.Array  # [b, B, d] final-normed hidden states of the block
     cache: KVCache  # draft context cache with the new context K/V written
@@ -153,7 +159,7 @@ class DrafterModel(nnx.Module):
     @property
     def first_proposal_slot(self) -> int:
         """0 when the anchor slot predicts (DeepSpec), 1 when only mask slots do (z-lab DFlash)."""
-        return 0 if self.cfg.anchor_predicts else 1
+        return first_proposal_slot(self.cfg)
 
     def context(self, taps: jax.Array) -> jax.Array:
         """Context features (Eq. 2): taps [..., m*d] -> hidden_norm(fc(taps)) [..., d]."""

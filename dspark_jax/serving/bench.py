@@ -71,7 +71,7 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
     """
     if repeats < 1:
         raise ValueError(f"need repeats >= 1, got {repeats}")
-    proposals = drafter.config.block_size - drafter.model.first_proposal_slot
+    proposals = drafter.num_proposals
     runs = {spec: parse_policy(spec, proposals) for spec in policies}
     variants = list(dict.fromkeys(_variant(policy, params) for spec_runs in runs.values()
                                   for policy, params in spec_runs))
