@@ -429,7 +429,7 @@ class Engine:
         now = time.perf_counter()
         finished = []
         for slot, request in list(self._running.items()):
-            request.tokens = output[slot, :generated[slot]].tolist()
+            request.tokens.extend(output[slot, len(request.tokens):generated[slot]].tolist())
             request.counters = row_counters(counters, slot)
             if not active[slot]:
                 request.finished_at = now
