@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -22,6 +23,19 @@ import pytest
 MULTI_DEVICE_XLA_FLAGS = ("--xla_force_host_platform_device_count={count} "
                           "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 RENDEZVOUS_ATTEMPTS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Frees every compiled program after each test module. XLA:CPU maps each kernel of a
+    program into memory on its own (about 1,000 mappings for a speculative engine program on
+    SmolLM2), and one pytest process running every slow test kept enough programs alive to
+    reach Linux's limit of 65,530 mappings and crash in a later compile."""
+    yield
+    from dspark_jax.engine import clear_compiled_programs
+
+    gc.collect()  # the module's fixtures, which may hold jitted functions, are gone
+    clear_compiled_programs()
 
 
 def run_on_cpu_devices(args: list[str], *, devices: int = 8, timeout: int = 600) -> dict:

@@ -12,7 +12,10 @@ Compiled programs are shared by every engine of the process (:func:`compiled_pro
 run of rounds per verification policy (and SPS table length; its verify forward is a
 ``lax.switch`` over the token buckets) and one admission per (admitted rows, prompt width,
 flat tokens) bucket; sampling settings, policy parameters and the SPS table's values are
-traced, so changing them never recompiles. Under ``jax.set_mesh`` (with the models loaded
+traced, so changing them never recompiles. The process keeps the :data:`MAX_PROGRAMS` most
+recently used ones: XLA:CPU loads each kernel of a program as its own memory mappings (about
+1,000 for a speculative run of rounds on SmolLM2), and a process that compiled programs without
+bound would reach Linux's limit of 65,530 mappings and crash in the next compile. Under ``jax.set_mesh`` (with the models loaded
 under the same mesh) the engine runs data parallel over slots and tensor parallel over heads:
 cache rows are sharded over the data axes, kv heads over the tensor axis, and the small slot
 state is replicated.
@@ -41,6 +44,8 @@ from dspark_jax.scheduling import verification
 
 # One call of run_rounds runs at most this many rounds (a bound on host silence, not on output).
 MAX_ROUNDS_PER_CALL = 1 << 20
+# Compiled programs kept per process (least recently used dropped first); see the module doc.
+MAX_PROGRAMS = 32
 
 
 def sampling_mode(temperature: float, top_p: float, top_k: int) -> str:
@@ -110,10 +115,11 @@ def spread_drafts(confidences, lagged, active, params):
 
 class _Programs:
     """Compiled programs of every engine, keyed by (program, model structures, parameter
-    shardings, state shapes, statics)."""
+    shardings, state shapes, statics): the ``capacity`` most recently used ones."""
 
-    def __init__(self):
-        self._cache = {}
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._cache: collections.OrderedDict = collections.OrderedDict()
         self._lowered = {}  # lowered by a fingerprint, not compiled yet
         self._fingerprints = {}
 
@@ -126,9 +132,12 @@ class _Programs:
         """(compiled program, seconds spent lowering and compiling it now: 0 when cached)."""
         key = (fn,) + key
         if key in self._cache:
+            self._cache.move_to_end(key)
             return self._cache[key], 0.0
         start = time.perf_counter()
         lowered = self._lowered.pop(key, None) or self._lower(fn, args, static)
+        while len(self._cache) >= self.capacity:
+            self._cache.popitem(last=False)  # its executable is freed with the last reference
         self._cache[key] = lowered.compile()
         return self._cache[key], time.perf_counter() - start
 
@@ -150,14 +159,15 @@ class _Programs:
         jax.clear_caches()
 
 
-_PROGRAMS = _Programs()
+_PROGRAMS = _Programs(MAX_PROGRAMS)
 # Model structures (graphdefs, dtypes, parameter shardings) -> a small id for program keys, so
 # that a step's key is hashed in microseconds (ids are never reused within a process).
 _MODELS: dict = {}
 
 
 def compiled_programs() -> list:
-    """Every engine program compiled so far (``jax.stages.Compiled``, in order)."""
+    """The engine programs the process keeps (``jax.stages.Compiled``, least recently used
+    first; at most :data:`MAX_PROGRAMS`)."""
     return list(_PROGRAMS._cache.values())
 
 

@@ -11,6 +11,7 @@ import law
 from dspark_jax import engine as engine_lib
 from dspark_jax.decoding import round as round_lib
 from dspark_jax.engine import Engine, token_buckets
+from dspark_jax.engine import engine as engine_module
 from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
@@ -127,6 +128,30 @@ def test_compiles_once_per_policy_and_prompt_bucket(engine, traced_widths, ar_re
     engine.set_policy("full")
     assert [r.tokens for r in serve(engine, ARRIVALS)] == ar_reference
     assert len(engine_lib.compiled_programs()) == before
+
+
+def test_the_process_keeps_only_the_most_recently_used_programs(qwen3, monkeypatch):
+    """At most ``MAX_PROGRAMS`` programs stay compiled, least recently used dropped first:
+    XLA:CPU maps each kernel of a program into memory on its own, and a process that kept
+    every program crashed in a compile at Linux's 65,530 mappings (the slow suite did). A
+    dropped program is compiled again when needed and gives the same tokens."""
+    monkeypatch.setattr(engine_module._PROGRAMS, "capacity", 2)
+    engine_lib.clear_compiled_programs()
+    engine = Engine(qwen3, None, slots=1, max_len=64)
+
+    def run(prompt):
+        before = engine.compile_s
+        request = engine.submit(prompt, max_new_tokens=3)
+        engine.run()
+        return request.tokens, engine.compile_s > before
+
+    short, long = [5, 9, 11], list(range(4, 24))
+    first, compiled = run(short)  # admission (width 16) and rounds
+    assert compiled and len(engine_lib.compiled_programs()) == 2
+    assert run(long)[1] and len(engine_lib.compiled_programs()) == 2  # width 32 drops width 16
+    again, compiled = run(short)
+    assert compiled and again == first and len(engine_lib.compiled_programs()) == 2
+    assert run(short) == (first, False)  # kept now
 
 
 def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
