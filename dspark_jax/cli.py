@@ -37,15 +37,7 @@ def _sps_table(args, target, drafter, prompts):
     steps/s by forward tokens), or ``auto``: this machine's profile for the batch (measured
     once, then cached)."""
     if args.sps != "auto":
-        path = Path(args.sps)
-        if not path.is_file():
-            raise ValueError(f"--sps {args.sps}: no such file (a profile-sps JSON, or 'auto')")
-        data = json.loads(path.read_text())
-        table = data.get("table") if isinstance(data, dict) else data
-        if not isinstance(table, list) or not table:
-            raise ValueError(f"--sps {args.sps}: expected a profile-sps JSON (with 'table') or a "
-                             "JSON list of steps/s by forward tokens")
-        return table
+        return _load_sps_file(args.sps)
     from dspark_jax.prompts import encode_prompts
     from dspark_jax.engine import machine_sps_table
 
@@ -292,6 +284,63 @@ def cmd_serve_bench(args) -> int:
     return 0
 
 
+def _load_sps_file(path_text: str) -> list:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"--sps {path_text}: no such file (a profile-sps JSON, or 'auto')")
+    data = json.loads(path.read_text())
+    table = data.get("table") if isinstance(data, dict) else data
+    if not isinstance(table, list) or not table:
+        raise ValueError(f"--sps {path_text}: expected a profile-sps JSON (with 'table') or a "
+                         "JSON list of steps/s by forward tokens")
+    return table
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError("the server needs its extra: pip install 'dspark-jax[serve]'") from None
+
+    from dspark_jax import init_drafter, load_drafter, load_target
+    from dspark_jax.engine import Engine
+    from dspark_jax.serving.server import build_app
+    from dspark_jax.serving.worker import EngineWorker
+
+    if args.max_slots < 1 or args.max_queue < 1:
+        raise ValueError("--max-slots and --max-queue must be >= 1")
+    target = load_target(args.model, dtype=_dtype(args.dtype))
+    if target.tokenizer is None:
+        raise ValueError(f"{args.model}: the server needs the model's tokenizer, and this model "
+                         "has none")
+    drafter = None
+    if args.drafter == "init":
+        drafter = init_drafter(target, seed=args.seed)
+    elif args.drafter:
+        drafter = load_drafter(args.drafter, target)
+    engine = Engine(target, drafter, slots=args.max_slots, max_len=args.max_len, seed=args.seed)
+    if drafter is not None:
+        params = _verify_params(args)
+        if args.verify in ("prefix", "production") and args.sps == "auto":
+            print("--sps auto: this machine's steps/s of the serving engine at temperature 1 "
+                  "(measured once, then cached)", file=sys.stderr)
+            params["sps"] = engine.profile_sps(temperature=1.0).table()
+        elif args.verify in ("prefix", "production"):
+            params["sps"] = _load_sps_file(args.sps)
+        engine.set_policy(args.verify, params)
+    print(f"compiling ({args.max_slots} slots of {args.max_len} tokens)...", file=sys.stderr)
+    engine.compile(min(args.precompile_prompt_len, args.max_len - 1))
+    worker = EngineWorker(engine, max_queue=args.max_queue)
+    name = args.served_model_name or args.model
+    app = build_app(worker, model_name=name, tokenizer=target.tokenizer)
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        worker.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -450,6 +499,35 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--refresh", action="store_true", help="measure again despite the cache")
     prof.add_argument("--plot", help="PNG path (default: beside the cached JSON)")
     prof.set_defaults(func=cmd_profile_sps)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat "
+                         "completions, streaming, /metrics) on the engine")
+    srv.add_argument("--model", default="smollm2-135m-instruct",
+                     help="registered name, Hugging Face folder, .gguf file or Orbax folder")
+    srv.add_argument("--drafter", help="drafter folder or packaged name for speculative "
+                     "decoding, or 'init' for an untrained one (default: autoregressive)")
+    srv.add_argument("--verify", default="production",
+                     choices=("full", "fixed", "threshold", "prefix", "production"),
+                     help="verification policy (with --drafter)")
+    srv.add_argument("--sps", default="auto", help="steps/s table of --verify prefix/production: "
+                     "a profile-sps JSON, or 'auto' (this engine's profile, measured once, cached)")
+    srv.add_argument("--threshold", type=float, help="confidence threshold (--verify threshold)")
+    srv.add_argument("--gamma", type=int, help="drafts verified per round (--verify fixed)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-slots", type=int, default=8, help="requests decoded together")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait for a slot; more are answered 429")
+    srv.add_argument("--max-len", type=int, default=2048,
+                     help="context per request: prompt + generated tokens")
+    srv.add_argument("--precompile-prompt-len", type=int, default=256,
+                     help="compile the admissions of prompts up to this length at start")
+    srv.add_argument("--served-model-name", help="the model name clients send (default --model)")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--dtype", choices=DTYPES, default="auto")
+    srv.add_argument("--log-level", default="info",
+                     choices=("critical", "error", "warning", "info", "debug"))
+    srv.set_defaults(func=cmd_serve)
 
     sb = sub.add_parser("serve-bench", help="continuous-batching throughput and verification "
                         "budget against concurrency, per policy (closed-loop eval prompts)")

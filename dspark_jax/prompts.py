@@ -102,9 +102,15 @@ def encode_prompts(target: Target, prompts: Sequence[str | Sequence[int]]) -> li
 
 def chat_ids(tokenizer, text: str) -> list[int]:
     """The chat-templated token ids of one user turn, with the generation prompt."""
-    messages = [{"role": "user", "content": text}]
+    return messages_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def messages_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The chat-templated token ids of a conversation ({"role", "content": str} dicts), with the
+    generation prompt (thinking disabled where the template has the switch). A tokenizer
+    without a template gets the contents joined by blank lines."""
     if tokenizer.chat_template:
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 enable_thinking=False)
+        rendered = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                 add_generation_prompt=True, enable_thinking=False)
         return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+    return list(tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"])

@@ -9,7 +9,7 @@ the next step's previous token. The probability row q_k each token was drawn fro
 for the rejection sampler, together with the confidence logit of the slot.
 
 Temperature, top-p, top-k and the PRNG key are traced arrays: changing them never recompiles.
-Step k draws with ``jax.random.fold_in(key, k)``.
+Step k draws with ``sampling.fold_key(key, k)`` (one key, or a key per row).
 
 Shapes: b rows, P proposal slots, d hidden size, V vocabulary.
 """
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import sample
+from dspark_jax.decoding.sampling import fold_key, sample
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 
 
@@ -44,7 +44,7 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
       hidden: [b, P, d] hidden states of the proposal slots.
       base_logits: [b, P, V] lm_head(hidden) (float32).
       anchor_tokens: int [b], the previous token of slot 0.
-      key: PRNG key.
+      key: PRNG key, or a key per row [b] (``sampling.split_key``).
       temperature, top_p, top_k: scalars or [b] arrays (see ``sampling.sampling_probs``).
 
     Returns:
@@ -60,7 +60,7 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
         if head is not None:
             state, bias = head.step(state, prev, h)
             logits = logits + bias
-        tokens, probs = sample(jax.random.fold_in(key, index), logits, temperature, top_p, top_k)
+        tokens, probs = sample(fold_key(key, index), logits, temperature, top_p, top_k)
         if confidence_head is None:
             confidence = jnp.zeros((batch,), jnp.float32)
         else:

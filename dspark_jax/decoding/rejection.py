@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import (GREEDY_TEMPERATURE, argmax, sample_from_probs,
-                                          sampling_probs)
+                                          sampling_probs, split_key, uniform)
 
 # Below this residual mass the correction row falls back to the target row (spec section 7).
 RESIDUAL_EPS = 1e-8
@@ -151,7 +151,7 @@ def rejection_sample(
     """Verifies a drafted block per request by rejection sampling (spec section 7, step 5).
 
     Args:
-      key: PRNG key.
+      key: PRNG key, or a key per request [B] (``sampling.split_key``).
       draft_tokens: int32 [B, K], x_k.
       draft_probs: float32 [B, K, V], q_k, the exact row x_k was sampled from.
       target_probs: float32 [B, K + 1, V], p_k, the target row for position k given the prefix
@@ -161,8 +161,8 @@ def rejection_sample(
     Returns:
       VerifyResult(num_accepted [B], next_token [B], accepted_mask [B, K]).
     """
-    key_u, key_next = jax.random.split(key)
-    uniforms = jax.random.uniform(key_u, draft_tokens.shape, jnp.float32)
+    key_u, key_next = split_key(key)
+    uniforms = uniform(key_u, draft_tokens.shape)
     decision = verify_from_uniforms(uniforms, draft_tokens, draft_probs, target_probs, num_draft)
     next_token = sample_from_probs(key_next, decision.next_probs)
     return VerifyResult(

@@ -41,7 +41,7 @@ from dspark_jax import sharding
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
 from dspark_jax.decoding.sampling import (GREEDY_TEMPERATURE, SamplingParams, argmax, is_eos,
-                                          sample, sampling_probs)
+                                          sample, sampling_probs, split_key)
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.ragged import ragged_forward, to_grid
 
@@ -99,7 +99,7 @@ class Slots:
     sampling: SamplingParams  # per-slot temperature / top_p / top_k, each [S]
     counters: Counters
     trace: Trace
-    key: jax.Array  # PRNG key of the rounds
+    keys: jax.Array  # PRNG key per slot [S]: its request's own random stream
 
     @classmethod
     def empty(cls, slots: int, proposals: int, vocab: int, output_len: int, key: jax.Array,
@@ -112,7 +112,7 @@ class Slots:
                    jnp.zeros((slots, proposals, vocab), jnp.float32), conf, conf,
                    jnp.stack([conf, conf]), SamplingParams.broadcast(slots),
                    Counters.zeros(slots, proposals), Trace.zeros(slots, record_rounds, proposals),
-                   key)
+                   jax.random.split(key, slots))
 
 
 @struct.dataclass
@@ -143,7 +143,18 @@ class Admissions:
     cols: jax.Array  # int32 [T] position of each token in its prompt
     max_new: jax.Array  # int32 [A] max_new_tokens (>= 1)
     sampling: SamplingParams  # each [A]
-    salt: jax.Array  # int32: the first token's key is fold_in(key, salt)
+    seeds: jax.Array  # int32 [A, 3] each request's PRNG key, as (kind, a, b) (:func:`request_keys`)
+
+
+def request_keys(seeds: jax.Array) -> jax.Array:
+    """A PRNG key per request from int32 [A, 3] (kind, a, b): fold_in(fold_in(key(kind), a), b).
+
+    The engine writes kind 0 with (its seed, the request id) and kind 1 with the two 32-bit
+    halves of a request's own seed, so that a seeded request draws the same stream whenever it
+    runs and whatever runs beside it."""
+    def one(seed):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), seed[2])
+    return jax.vmap(one)(seeds)
 
 
 class RoundOutput(NamedTuple):
@@ -248,7 +259,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     t_cache = caches.target.write(o.new_k, o.new_v, grid_positions, a.slot)
 
     last = jnp.cumsum(a.length) - 1  # flat index of each prompt's last token
-    k_first, k_draft = jax.random.split(jax.random.fold_in(slots.key, a.salt))
+    k_first, k_draft, k_rounds = split_key(request_keys(a.seeds), 3)
     first, _ = sample(k_first, target.logits(o.hidden[last]), a.sampling.temperature,
                       a.sampling.top_p, a.sampling.top_k)
     done = is_eos(first, eos_ids) | (a.max_new <= 1)
@@ -276,7 +287,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
         history=slots.history.at[:, a.slot].set(0.0, mode="drop"),
         sampling=SamplingParams(put(s.temperature, a.sampling.temperature),
                                 put(s.top_p, a.sampling.top_p), put(s.top_k, a.sampling.top_k)),
-        counters=jax.tree.map(zero_rows, slots.counters), **block)
+        counters=jax.tree.map(zero_rows, slots.counters), keys=put(slots.keys, k_rounds), **block)
     return *laid_out(slots, Caches(t_cache, d_cache)), done
 
 
@@ -304,7 +315,7 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
     tokens = verify_tokens[safe_rows, cols]
     positions = anchor_pos[safe_rows] + cols
 
-    key, k_verify, k_draft = jax.random.split(slots.key, 3)
+    keys, k_verify, k_draft = split_key(slots.keys, 3)
     all_greedy = jnp.all((sampling.temperature <= GREEDY_TEMPERATURE) | ~active)
 
     def verify_branch(size):
@@ -398,5 +409,5 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
     history = jnp.stack([slots.history[1], slots.confidence])  # verified now; lagged in 2 rounds
     slots = slots.replace(active=active & ~em.finished, anchor=new_anchor, anchor_pos=new_pos,
                           generated=slots.generated + em.count, output=output, history=history,
-                          counters=counters, trace=trace, key=key, **block)
+                          counters=counters, trace=trace, keys=keys, **block)
     return *laid_out(slots, Caches(t_cache, d_cache)), RoundOutput(em.finished, total, bucket)

@@ -6,7 +6,10 @@ probabilities ``q`` and target probabilities ``p`` are produced by exactly the s
 as the tokens that were sampled from them.
 
 Sampling parameters are arrays broadcastable to the leading dimensions of the logits: changing
-them between calls never recompiles. ``temperature <= GREEDY_TEMPERATURE`` is greedy decoding,
+them between calls never recompiles. A PRNG key is one key for the whole batch or a key per row
+(a key array [b]): then row i draws only from key i, so a request's random stream does not
+depend on which other requests share its batch (:func:`split_key`, :func:`fold_key`,
+:func:`uniform`). ``temperature <= GREEDY_TEMPERATURE`` is greedy decoding,
 whose probability row is the point mass on the argmax (ties go to the lowest id).
 """
 
@@ -174,6 +177,29 @@ def inverse_cdf(probs: jax.Array, u_block: jax.Array, u_token: jax.Array,
     return b * block + _first_above(inner_cdf, u_token * inner_cdf[..., -1], inner)
 
 
+def split_key(key: jax.Array, num: int = 2) -> list[jax.Array]:
+    """``num`` new keys from one key, or from a key per row ([b] -> ``num`` key arrays [b])."""
+    if key.ndim == 0:
+        return list(jax.random.split(key, num))
+    keys = jax.vmap(lambda k: jax.random.split(k, num))(key)  # [b, num]
+    return [keys[:, i] for i in range(num)]
+
+
+def fold_key(key: jax.Array, data) -> jax.Array:
+    """``jax.random.fold_in`` of one key, or of each key of a key per row."""
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    return jax.vmap(lambda k: jax.random.fold_in(k, data))(key)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 uniforms in [0, 1) of ``shape``; with a key per row [shape[0]], row i draws
+    from key i alone."""
+    if key.ndim == 0:
+        return jax.random.uniform(key, shape, jnp.float32)
+    return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], jnp.float32))(key)
+
+
 def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
     """Draws one token per row of ``probs`` [..., V] from that law; returns int32 [...].
 
@@ -182,9 +208,9 @@ def sample_from_probs(key: jax.Array, probs: jax.Array) -> jax.Array:
     logarithms per row: 30-100x slower on CPU for a 49k vocabulary
     (``benchmarks/bench_sampling.py``).
     """
-    k_block, k_token = jax.random.split(key)
+    k_block, k_token = split_key(key)
     lead = probs.shape[:-1]
-    return inverse_cdf(probs, jax.random.uniform(k_block, lead), jax.random.uniform(k_token, lead))
+    return inverse_cdf(probs, uniform(k_block, lead), uniform(k_token, lead))
 
 
 def sample(

@@ -66,6 +66,7 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None  # its own PRNG seed (None: from the engine's seed and its id)
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated, EOS included
     # Speculative counters (``engine.stats.COUNTERS``), up to date after every engine call.
     counters: dict = dataclasses.field(default_factory=dict)
@@ -75,6 +76,8 @@ class Request:
     submitted_at: float = 0.0
     admitted_at: float | None = None
     finished_at: float | None = None
+    # Why it ended: "stop" (an EOS token), "length" (max_new_tokens) or "abort" (Engine.abort).
+    finish_reason: str | None = None
 
     @property
     def done(self) -> bool:
@@ -222,7 +225,9 @@ class Engine:
                               else np.asarray(drafter.confidence_temperatures, np.float32))
         self.buckets = token_buckets(slots, self.proposals, buckets)
         self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
+        self._eos_set = frozenset(target.eos_token_ids or ())
         self._key = jax.random.key(seed)
+        self.seed = seed
         self.compile_s = 0.0
         self._used: set = set()  # keys (without the engine's structure) of the programs it ran
         self._structure_id = None
@@ -283,6 +288,16 @@ class Engine:
     @property
     def busy(self) -> bool:
         return bool(self._queue or self._running)
+
+    @property
+    def queue_length(self) -> int:
+        """Requests submitted and not admitted yet."""
+        return len(self._queue)
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding a running request."""
+        return len(self._running)
 
     # -- programs ---------------------------------------------------------------------------
 
@@ -359,8 +374,18 @@ class Engine:
             sampling=SamplingParams(column((r.temperature for r in requests), 0.0, np.float32),
                                     column((r.top_p for r in requests), 1.0, np.float32),
                                     column((r.top_k for r in requests), 0, np.int32)),
-            salt=np.int32(requests[0].id))
+            seeds=np.asarray([self._request_seed(r) for r in requests] + [[0, 0, 0]] * pad,
+                             np.int32))
         return admissions, width
+
+    def _request_seed(self, request: Request) -> list[int]:
+        """(kind, a, b) of ``decoding.round.request_keys``: the request's own seed split into
+        two 32-bit halves, or the engine's seed and the request id."""
+        def int32(value):
+            return int(np.uint32(value & 0xFFFFFFFF).view(np.int32))
+        if request.seed is None:
+            return [0, int32(self.seed), int32(request.id)]
+        return [1, int32(request.seed >> 32), int32(request.seed)]
 
     def _admit(self, pairs: Sequence[tuple[int, Request]], eos_ids=None) -> None:
         eos_ids = self.eos_ids if eos_ids is None else eos_ids
@@ -389,9 +414,8 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0) -> Request:
-        """Queues a request (token ids); it joins at the next :meth:`step` with a free slot.
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The prompt's token ids as a list, if this engine can run the request.
 
         Raises:
           ValueError: empty prompt, ids outside the vocabulary, max_new_tokens < 1, or a
@@ -406,11 +430,46 @@ class Engine:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} does "
                              f"not fit the slot size max_len={self.max_len}")
         self.target.check_token_ids(np.asarray(ids))
+        return ids
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> Request:
+        """Queues a request (token ids); it joins at the next :meth:`step` with a free slot.
+
+        Each request draws from its own PRNG key: from ``seed`` when given, else from the
+        engine's seed and the request's id. A seeded request samples the same tokens whenever
+        it verifies the same budgets: always without a drafter and under the "full", "fixed"
+        and "threshold" policies, whatever runs beside it; under "prefix" and "production" the
+        budgets depend on the other requests, and so does the sampled path (not its law).
+
+        Raises:
+          ValueError: as :meth:`check_request`.
+        """
+        ids = self.check_request(prompt, max_new_tokens)
         request = Request(self._next_id, ids, max_new_tokens, float(temperature), float(top_p),
-                          int(top_k), submitted_at=time.perf_counter())
+                          int(top_k), None if seed is None else int(seed),
+                          submitted_at=time.perf_counter())
         self._next_id += 1
         self._queue.append(request)
         return request
+
+    def abort(self, request: Request) -> bool:
+        """Ends ``request`` now (finish_reason "abort"), queued or running: a running request's
+        slot is freed for the next admission and keeps the tokens emitted so far. Returns False
+        when it had already finished."""
+        if request.done:
+            return False
+        if request in self._queue:
+            self._queue.remove(request)
+        else:
+            slot = next(s for s, r in self._running.items() if r is request)
+            active = np.asarray(jax.device_get(self._slots.active)).copy()
+            active[slot] = False
+            self._set_slots(active=active)
+            self._harvest(None)  # its last tokens, then the slot is free
+        request.finished_at = time.perf_counter()
+        request.finish_reason = "abort"
+        return True
 
     def _admit_queued(self) -> None:
         pairs = []
@@ -443,6 +502,8 @@ class Engine:
             request.counters = row_counters(counters, slot)
             if not active[slot]:
                 request.finished_at = now
+                request.finish_reason = ("stop" if request.tokens
+                                         and request.tokens[-1] in self._eos_set else "length")
                 if trace is not None:
                     r = request.counters["rounds"]
                     request.trace = {name: np.asarray(getattr(trace, name)[slot, :r])

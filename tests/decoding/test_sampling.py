@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax.decoding import sampling
 from dspark_jax.decoding.sampling import inverse_cdf, sample_from_probs
 
 BLOCK = 16
@@ -79,3 +80,21 @@ def test_sample_from_probs_draws_the_row_law():
         stat = float(((counts[support] - expected) ** 2 / expected).sum())
         df = int(support.sum()) - 1
         assert stat < df + 5 * np.sqrt(2 * df), (stat, df)  # far inside the chi-square tail
+
+
+def test_a_key_per_row_draws_each_row_from_its_own_key():
+    """With a key array [b], row i's draws equal those of key i alone, whatever the batch."""
+    keys = jax.random.split(jax.random.key(5), 3)
+    batch = sampling.uniform(keys, (3, 4))
+    for i in range(3):
+        np.testing.assert_array_equal(batch[i], sampling.uniform(keys[i:i + 1], (1, 4))[0])
+    np.testing.assert_array_equal(sampling.uniform(keys[1], (4,)),
+                                  jax.random.uniform(keys[1], (4,)))
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(6), (3, 50)), axis=-1)
+    drawn = sampling.sample_from_probs(keys, probs)
+    for i in range(3):
+        assert drawn[i] == sampling.sample_from_probs(keys[i:i + 1], probs[i:i + 1])[0]
+    first, second = sampling.split_key(keys)
+    assert first.shape == second.shape == (3,)
+    np.testing.assert_array_equal(jax.random.key_data(sampling.fold_key(keys, 2)[1]),
+                                  jax.random.key_data(jax.random.fold_in(keys[1], 2)))

@@ -130,6 +130,48 @@ def test_compiles_once_per_policy_and_prompt_bucket(engine, traced_widths, ar_re
     assert len(engine_lib.compiled_programs()) == before
 
 
+def test_abort_frees_the_slot_and_leaves_the_others_exact(engine, ar_reference):
+    """Aborting a running request frees its slot for the queue and keeps its tokens so far (a
+    prefix of its greedy answer); aborting a queued one drops it; the others stay exact."""
+    engine.set_policy("full")
+    running = engine.submit(PROMPTS[0], max_new_tokens=MAX_NEW)
+    others = [engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW) for i in (1, 2)]
+    queued = engine.submit(PROMPTS[3], max_new_tokens=MAX_NEW)
+    late = engine.submit(PROMPTS[4], max_new_tokens=MAX_NEW)  # needs the aborted slot
+    engine.step()
+    engine.step()
+    assert engine.slots_in_use == SLOTS and engine.queue_length == 2
+    assert engine.abort(queued) and engine.queue_length == 1
+    assert engine.abort(running) and engine.slots_in_use == SLOTS - 1
+    assert not engine.abort(running)
+    assert running.finish_reason == queued.finish_reason == "abort" and queued.tokens == []
+    assert 2 <= len(running.tokens) < MAX_NEW
+    assert running.tokens == ar_reference[0][:len(running.tokens)]
+    engine.run()
+    assert [r.tokens for r in others + [late]] == [ar_reference[i] for i in (1, 2, 4)]
+    assert {r.finish_reason for r in others + [late]} <= {"stop", "length"}
+    assert engine.slots_in_use == 0 and not engine.busy
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(engine):
+    """Each slot draws from its request's own key: a seeded sampled request gives the same
+    tokens alone and beside other (sampled) requests, and another seed gives others."""
+    engine.set_policy("full")
+
+    def tokens(seed, company):
+        others = [engine.submit(PROMPTS[i], max_new_tokens=MAX_NEW, temperature=1.0)
+                  for i in company]
+        request = engine.submit(PROMPTS[1], max_new_tokens=MAX_NEW, temperature=1.0, top_k=20,
+                                seed=seed)
+        engine.run()
+        assert all(o.done for o in others)
+        return request.tokens
+
+    alone = tokens(7, [])
+    assert tokens(7, [0, 2, 3]) == alone == tokens(7, [4])
+    assert tokens(8, []) != alone
+
+
 def test_the_process_keeps_only_the_most_recently_used_programs(qwen3, monkeypatch):
     """At most ``MAX_PROGRAMS`` programs stay compiled, least recently used dropped first:
     XLA:CPU maps each kernel of a program into memory on its own, and a process that kept
