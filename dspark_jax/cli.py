@@ -239,6 +239,8 @@ def _csv(text: str) -> list[str]:
 def _serving_models(args):
     from dspark_jax import init_drafter, load_drafter, load_target
 
+    if not args.drafter:
+        raise ValueError("--drafter is required (a drafter folder or packaged name, or 'init')")
     target = load_target(args.model, dtype=_dtype(args.dtype))
     drafter = (init_drafter(target, seed=args.seed) if args.drafter == "init"
                else load_drafter(args.drafter, target))
@@ -263,9 +265,37 @@ def cmd_profile_sps(args) -> int:
     return 0
 
 
+def _serve_bench_url(args) -> int:
+    from dspark_jax.serving import http_load
+
+    model = http_load.server_model(args.url)
+    texts = http_load.eval_texts(_csv(args.datasets), args.prompts,
+                                 max_chars=4 * args.max_prompt_len, data_dir=args.data_dir)
+    results = []
+    for concurrency in (int(c) for c in _csv(args.concurrency)):
+        results.append(http_load.closed_loop(
+            args.url, model, texts, concurrency=concurrency, max_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p,
+            request_timeout_s=args.request_timeout, run_timeout_s=args.run_timeout))
+        print(http_load.markdown_table(results[-1:]).splitlines()[-1], file=sys.stderr)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    report = dict(url=args.url, model=model, datasets=_csv(args.datasets),
+                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, results=results)
+    (output / "serve_bench_http.json").write_text(json.dumps(report, indent=1))
+    table = http_load.markdown_table(results)
+    (output / "serve_bench_http.md").write_text(table + "\n")
+    print(table)
+    print(f"json: {output / 'serve_bench_http.json'}")
+    return 0 if all(r["failed"] == r["not_sent"] == 0 for r in results) else 1
+
+
 def cmd_serve_bench(args) -> int:
     from dspark_jax.serving import bench, loadgen
 
+    if args.url:
+        return _serve_bench_url(args)
     target, drafter = _serving_models(args)
     datasets = _csv(args.datasets)
     prompts = loadgen.eval_prompts(target.tokenizer, datasets, args.prompts,
@@ -478,8 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     def serving_args(p):
         p.add_argument("--model", default="smollm2-135m-instruct",
                        help="registered name, Hugging Face folder, .gguf file or Orbax folder")
-        p.add_argument("--drafter", required=True,
-                       help="drafter folder or packaged name, or 'init' for an untrained one")
+        p.add_argument("--drafter",
+                       help="drafter folder or packaged name, or 'init' for an untrained one "
+                       "(required, except for serve-bench --url)")
         p.add_argument("--buckets", help="flat verify token counts, comma-separated "
                        "(default: powers of two up to slots * (P + 1))")
         p.add_argument("--seed", type=int, default=0)
@@ -553,6 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--refresh-sps", action="store_true")
     sb.add_argument("--output", default="benchmarks/results/serve_bench",
                     help="folder for serve_bench.json, .md and .png")
+    sb.add_argument("--url", help="drive a running server (dspark-jax serve, or any OpenAI "
+                    "server) over HTTP instead: streaming chat completions, closed loop; "
+                    "its policy is the server's (--policies is not used); exit 1 if any request "
+                    "fails")
+    sb.add_argument("--request-timeout", type=float, default=600.0,
+                    help="--url: seconds one request may take")
+    sb.add_argument("--run-timeout", type=float, default=3600.0,
+                    help="--url: no request starts after this many seconds of a run")
     sb.set_defaults(func=cmd_serve_bench)
     return parser
 

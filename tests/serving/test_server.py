@@ -280,3 +280,23 @@ def test_a_full_queue_answers_429(tiny):
         assert _counter(live.get("/metrics"), 'status="rejected"') == 1
     finally:
         live.close()
+
+
+def test_serve_bench_drives_a_server_over_http(server, tmp_path):
+    """``serve-bench --url``: closed-loop streaming users; every request accounted for."""
+    from dspark_jax import cli
+    from dspark_jax.serving import http_load
+
+    result = http_load.closed_loop(server.url, MODEL, ["Hi", "Count to three", "Name a color"] * 3,
+                                   concurrency=4, max_tokens=8)
+    assert (result["completed"], result["failed"], result["not_sent"]) == (9, 0, 0)
+    assert result["completion_tokens"] == 9 * 8 and result["finish_reasons"] == {"length": 9}
+    assert 0 < result["ttft_p50_s"] <= result["latency_p50_s"] <= result["latency_p99_s"]
+    assert cli.main(["serve-bench", "--url", server.url, "--datasets", "gsm8k,mt-bench",
+                     "--prompts", "4", "--concurrency", "1,2", "--max-new-tokens", "4",
+                     "--max-prompt-len", "64", "--output", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve_bench_http.json").read_text())
+    assert [r["completed"] for r in report["results"]] == [4, 4] and report["model"] == MODEL
+    failed = http_load.closed_loop(server.url, "no-such-model", ["Hi"], concurrency=1,
+                                   max_tokens=4)
+    assert failed["failed"] == 1 and "404" in failed["errors"][0]
