@@ -2,7 +2,8 @@
 
 Starts ``dspark-jax serve`` (the embedded SmolLM2 target, a drafter, the production scheduler
 with this machine's cached SPS profile) on 127.0.0.1 as a subprocess, waits for ``/health``,
-replays eval first turns closed-loop at each concurrency through ``serve-bench --url``'s load
+replays eval first turns closed-loop at each concurrency (once with 2 new tokens per request to
+compile the admissions the load needs, then measured) through ``serve-bench --url``'s load
 generator (``serving.http_load``; every request bounded in time, the run bounded in count and
 time), reads ``/metrics``, stops the server and writes one JSON.
 
@@ -75,6 +76,9 @@ def main() -> None:
     try:
         wait_for_health(url, proc, args.startup_timeout)
         startup_s = time.perf_counter() - started
+        for concurrency in args.concurrency:  # compiles the admissions this load needs
+            http_load.closed_loop(url, args.model, texts, concurrency=concurrency, max_tokens=2,
+                                  run_timeout_s=args.run_timeout)
         results = []
         for concurrency in args.concurrency:
             result = http_load.closed_loop(url, args.model, texts, concurrency=concurrency,

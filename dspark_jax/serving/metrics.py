@@ -35,6 +35,8 @@ def render(worker, model: str) -> str:
     m("engine_steps_total", "counter", "Engine rounds (one target verify forward each).", c.steps)
     m("step_seconds_total", "counter", "Wall time of the engine steps, compilation included.",
       c.step_seconds)
+    m("compile_seconds_total", "counter", "Of which compiling programs (new prompt shapes).",
+      c.compile_seconds)
     m("verified_tokens_total", "counter", "Tokens in the target's verify forwards.",
       c.verified_tokens)
     m("queue_length", "gauge", "Requests waiting for a slot.", worker.queue_length)

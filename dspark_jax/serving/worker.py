@@ -55,7 +55,8 @@ class ServingCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    step_seconds: float = 0.0
+    step_seconds: float = 0.0  # compilation included
+    compile_seconds: float = 0.0
     verified_tokens: int = 0
     speculative: dict | None = None  # engine.stats counters summed over finished requests
 
@@ -200,6 +201,7 @@ class EngineWorker:
                 c = self.counters
                 c.steps += self.engine.steps - before
                 c.step_seconds += seconds
+                c.compile_seconds = self.engine.compile_s
                 c.verified_tokens = self.engine.verified_tokens
                 for request in finished:
                     self._finish(self._streams[request.id])
