@@ -140,19 +140,25 @@ def build_app(worker: EngineWorker, *, model_name: str, tokenizer) -> FastAPI:
                 yield piece, None
 
     async def collect(stream: Stream, text: TextStream, http: Request) -> str | None:
-        """Runs the request to its end; None when the client disconnected first."""
-        parts = deltas(stream, text)
-        while True:
-            step = asyncio.ensure_future(anext(parts))
-            while not step.done():
-                await asyncio.wait([step], timeout=DISCONNECT_POLL_S)
-                if not step.done() and await http.is_disconnected():
-                    step.cancel()
-                    worker.abort(stream)
-                    return None
-            _, reason = step.result()
-            if reason is not None:
-                return reason
+        """Runs the request to its end (its finish reason); None, with the request aborted, when
+        the client disconnected first (checked every DISCONNECT_POLL_S meanwhile)."""
+        async def finish():
+            async for _, reason in deltas(stream, text):
+                if reason is not None:
+                    return reason
+
+        async def disconnected():
+            while not await http.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        run, watch = asyncio.ensure_future(finish()), asyncio.ensure_future(disconnected())
+        await asyncio.wait([run, watch], return_when=asyncio.FIRST_COMPLETED)
+        if run.done():
+            watch.cancel()
+            return run.result()
+        run.cancel()
+        worker.abort(stream)
+        return None
 
     def usage(stream: Stream, completion_tokens: int) -> dict:
         return {"prompt_tokens": len(stream.prompt), "completion_tokens": completion_tokens,

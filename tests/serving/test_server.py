@@ -235,7 +235,21 @@ def test_bad_completion_prompts(server):
         server.client().completions.create(model="nope", prompt="hi")
 
 
-def test_a_disconnected_stream_frees_its_slot(server):
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Engine steps of at least 20 ms, so that a long request is still running when its client
+    goes away (the tiny model would otherwise finish first)."""
+    engine = server.worker.engine
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def test_a_disconnected_stream_frees_its_slot(server, slow_steps):
     before = server.get("/metrics")
     client = server.client()
     stream = client.completions.create(model=MODEL, prompt="Count", temperature=0,
@@ -245,6 +259,21 @@ def test_a_disconnected_stream_frees_its_slot(server):
     stream.close()
     server.wait_for(lambda h: h["slots_in_use"] == 0, "the slot to be freed")
     assert _counter(server.get("/metrics"), 'status="aborted"') == _counter(before, 'status="aborted"') + 1
+
+
+def test_a_disconnected_plain_request_frees_its_slot(server, slow_steps):
+    """A non-streaming request whose client goes away is aborted too (the handler polls)."""
+    import http.client
+
+    before = _counter(server.get("/metrics"), 'status="aborted"')
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps(
+        {"model": MODEL, "prompt": "Count", "temperature": 0, "max_tokens": MAX_LEN - 8}),
+        headers={"Content-Type": "application/json"})
+    server.wait_for(lambda h: h["slots_in_use"] == 1, "the request's slot")
+    connection.close()
+    server.wait_for(lambda h: h["slots_in_use"] == 0, "the slot to be freed")
+    assert _counter(server.get("/metrics"), 'status="aborted"') == before + 1
 
 
 def _counter(metrics: str, label: str) -> float:
