@@ -12,7 +12,7 @@ import law
 from dspark_jax import engine
 from dspark_jax.decoding import rejection
 from dspark_jax.decoding import round as round_lib
-from dspark_jax.decoding.sampling import sample_from_probs
+from dspark_jax.decoding.sampling import sample_from_probs, split_key
 from dspark_jax.engine.stats import sum_counters
 from dspark_jax.target import init_target
 
@@ -118,7 +118,7 @@ def test_compiles_once_and_traces_each_bucket_once(qwen3, monkeypatch):
 
 def _broken_rejection(key, draft_tokens, draft_probs, target_probs, num_draft):
     """Accepts x_k when it equals a fresh sample of p_k: NOT the target law."""
-    k1, k2 = jax.random.split(key)
+    k1, k2 = split_key(key)  # one key per request
     size = draft_tokens.shape[1]
     samples = sample_from_probs(k1, target_probs[:, :size])
     ok = (samples == draft_tokens) & (jnp.arange(size)[None] < num_draft[:, None])
