@@ -329,3 +329,10 @@ def test_serve_bench_drives_a_server_over_http(server, tmp_path):
     failed = http_load.closed_loop(server.url, "no-such-model", ["Hi"], concurrency=1,
                                    max_tokens=4)
     assert failed["failed"] == 1 and "404" in failed["errors"][0]
+
+
+def test_serve_command_names_bad_settings(capsys):
+    from dspark_jax import cli
+
+    assert cli.main(["serve", "--max-slots", "0"]) == 2
+    assert "--max-slots and --max-queue must be >= 1" in capsys.readouterr().err
