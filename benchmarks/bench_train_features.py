@@ -192,7 +192,7 @@ def throughput(args, target, drafter, tcfg, feature_dir) -> dict:
     for mode in MODES:
         pipes[mode] = make_pipeline(
             args.data, batch_size=tcfg.global_batch_size, pack_length=tcfg.pack_length,
-            anchors_per_row=tcfg.anchors_per_row, anchors_per_sequence=drafter.config.num_anchors,
+            anchors_per_row=tcfg.anchors_per_row, anchors_per_sequence=tcfg.num_anchors,
             block_size=drafter.config.block_size, seed=tcfg.seed,
             **(dict(feature_dir=feature_dir,
                     feature_key=cache_key(target, drafter.config.target_layer_ids))

@@ -2,8 +2,8 @@
 Markov and confidence heads (markov_rank 0), trained with cross-entropy only on the same data
 and step budget, for the DSpark-against-DFlash comparison in BENCHMARKS.md."""
 
-from dspark_jax import presets
+from dspark_jax import experiment
 
 
 def get_config():
-    return presets.smollm2_dflash()
+    return experiment.smollm2_dflash()

@@ -5,8 +5,8 @@ e.g. from ``huggingface-cli download Qwen/Qwen3-8B --local-dir DIR``, a .gguf fi
 Orbax folder), with the training data ``--train.data_dir="('DATA',)"``.
 """
 
-from dspark_jax import presets
+from dspark_jax import experiment
 
 
 def get_config():
-    return presets.qwen3_dspark(target_layer_ids=(1, 9, 17, 25, 33))
+    return experiment.qwen3_dspark(target_layer_ids=(1, 9, 17, 25, 33))

@@ -17,8 +17,8 @@ embeddings.
   minutes (--train.max_steps to change).
 """
 
-from dspark_jax import presets
+from dspark_jax import experiment
 
 
 def get_config():
-    return presets.smollm2_dspark()
+    return experiment.smollm2_dspark()

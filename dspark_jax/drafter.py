@@ -78,7 +78,7 @@ class Drafter:
         return nnx.to_flat_state(self.state)[0][1].get_value().dtype
 
     def save(self, path: str | os.PathLike, layout: str = "deepspec", *, dtype=None,
-             target_tensors: bool = True) -> Path:
+             target_tensors: bool = True, num_anchors: int | None = None) -> Path:
         """Writes the drafter atomically; layout "deepspec", "dflash" (z-lab) or "orbax".
 
         Args:
@@ -86,6 +86,9 @@ class Drafter:
           target_tensors: the deepspec layout carries copies of the target's embedding and LM
             head, as the reference reads them; False leaves them out (a compact folder for
             dspark-jax, which takes them from the target).
+          num_anchors: the anchors per training sequence it was trained with, recorded in
+            DeepSpec's config.json (the reference trains with the value found there); None
+            leaves it out.
 
         Raises:
           CheckpointError: the layout cannot hold this drafter (dflash with heads).
@@ -100,7 +103,8 @@ class Drafter:
                 self.confidence_temperatures, self.calibration_fit)
         return deepspec.save(path, layout=layout, model_cfg=self.model_config, cfg=self.config,
                              state=state, target_state=self.target.state if target_tensors else None,
-                             target_config=self.target.config, extra_files=extra)
+                             target_config=self.target.config, extra_files=extra,
+                             num_anchors=num_anchors)
 
 
 def _as_fields(config: Any) -> dict:

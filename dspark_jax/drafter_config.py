@@ -19,7 +19,9 @@ argument of jitted functions) with these fields (DSPARK_SPEC.md sections 2, 3, 1
                     anchor + k + 1 and all B slots are proposals (DeepSpec); False: slot k
                     predicts position anchor + k and only the B - 1 mask slots are proposals
                     (z-lab DFlash checkpoints).
-  num_anchors       N, anchors per training sequence (512).
+
+Training settings (anchors per sequence, loss weights, ...) are not part of it: they are the
+experiment's ``train`` config (``dspark_jax.experiment``).
 
 The DFlash baseline is the config ``markov_rank=0, head="none", confidence_head=False``.
 """
@@ -45,7 +47,6 @@ DEFAULTS: dict[str, Any] = dict(
     confidence_head=True,
     confidence_head_with_markov=True,
     anchor_predicts=True,
-    num_anchors=512,
 )
 FIELDS = tuple(DEFAULTS)
 
@@ -74,7 +75,7 @@ def drafter_config(**fields) -> ml_collections.FrozenConfigDict:
         cfg["head"] = "none"
     if cfg["head"] == "none":
         cfg["confidence_head_with_markov"] = False
-    for key, low in (("block_size", 2), ("num_layers", 1), ("markov_rank", 0), ("num_anchors", 1)):
+    for key, low in (("block_size", 2), ("num_layers", 1), ("markov_rank", 0)):
         if int(cfg[key]) < low:
             raise ValueError(f"{key} must be >= {low}, got {cfg[key]}")
         cfg[key] = int(cfg[key])

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from dspark_jax.checkpoints import hf, orbax_params, registry
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
-from dspark_jax.config import model_config_from_hf, model_config_to_hf
+from dspark_jax.model_config import model_config_from_hf, model_config_to_hf
 from dspark_jax.models.decoder import Decoder
 from dspark_jax import sharding
 

@@ -40,7 +40,7 @@ from flax import nnx
 from dspark_jax import sharding
 from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
+from dspark_jax.model_config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
 from dspark_jax.drafter_config import DEEPSPEC_HEAD_TYPES, check_fit, drafter_config
 from dspark_jax.models.drafter import DrafterModel
 
@@ -137,8 +137,7 @@ def parse_hf_config(hf_config: dict, target_config):
             trainable_mask_embedding=trainable,
             confidence_head=bool(hf_config.get("enable_confidence_head", False)),
             confidence_head_with_markov=bool(hf_config.get("confidence_head_with_markov", rank > 0)),
-            anchor_predicts=bool(hf_config.get("anchor_predicts", True)),
-            num_anchors=hf_config.get("num_anchors", 512))
+            anchor_predicts=bool(hf_config.get("anchor_predicts", True)))
     except CheckpointError:
         raise
     except ValueError as e:
@@ -146,8 +145,12 @@ def parse_hf_config(hf_config: dict, target_config):
     return "deepspec", model_cfg, cfg, hf_config.get("num_target_layers")
 
 
-def hf_config_for(layout: str, model_cfg, cfg, target_config) -> dict:
-    """The config.json of a drafter in the ``deepspec`` or ``dflash`` layout."""
+def hf_config_for(layout: str, model_cfg, cfg, target_config, num_anchors: int | None = None) -> dict:
+    """The config.json of a drafter in the ``deepspec`` or ``dflash`` layout.
+
+    ``num_anchors``: the training setting DeepSpec keeps in its drafter config (anchors per
+    training sequence), written when given; dspark-jax reads it from the train config instead.
+    """
     out = model_config_to_hf(model_cfg)
     out["tie_word_embeddings"] = False
     out["num_target_layers"] = target_config.num_hidden_layers
@@ -164,11 +167,12 @@ def hf_config_for(layout: str, model_cfg, cfg, target_config) -> dict:
     out.update(
         architectures=[f"{FAMILY_NAMES[model_cfg.model_type]}DSparkModel"],
         block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-        target_layer_ids=list(cfg.target_layer_ids), num_anchors=cfg.num_anchors,
-        markov_rank=cfg.markov_rank,
+        target_layer_ids=list(cfg.target_layer_ids), markov_rank=cfg.markov_rank,
         markov_head_type=DEEPSPEC_HEAD_TYPES.get(cfg.head, "vanilla"),
         enable_confidence_head=cfg.confidence_head,
         confidence_head_with_markov=cfg.confidence_head_with_markov)
+    if num_anchors is not None:
+        out["num_anchors"] = int(num_anchors)
     if not cfg.anchor_predicts:
         out["anchor_predicts"] = False
     return out
@@ -314,10 +318,11 @@ def _read_json(path: Path) -> dict:
 
 def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.State,
          target_state: nnx.State | None, target_config,
-         extra_files: dict[str, str] | None = None) -> Path:
+         extra_files: dict[str, str] | None = None, num_anchors: int | None = None) -> Path:
     """Writes a drafter folder atomically in one of ``LAYOUTS`` (``target_state=None``: the
     deepspec layout without the target's embedding and LM head); ``extra_files`` {name: text}
-    are written into the folder too (e.g. the calibration)."""
+    are written into the folder too (e.g. the calibration); ``num_anchors`` as in
+    :func:`hf_config_for`."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if layout == "dflash" and (cfg.markov_rank > 0 or cfg.confidence_head):
@@ -335,7 +340,7 @@ def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.S
                         num_target_layers=target_config.num_hidden_layers, dtype=dtype)
             (tmp / ORBAX_MARKER).write_text(json.dumps(meta, indent=2))
             return
-        hf_config = hf_config_for(layout, model_cfg, cfg, target_config)
+        hf_config = hf_config_for(layout, model_cfg, cfg, target_config, num_anchors)
         hf_config["torch_dtype"] = hf_config["dtype"] = dtype
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         hf.write_safetensors(drafter_tensors(layout, cfg, state, target_state, target_config), tmp)
@@ -378,7 +383,8 @@ def _load_orbax(folder: Path, target_config, dtype):
     meta = _read_json(folder / ORBAX_MARKER)
     try:
         model_cfg = model_config_from_hf(meta["model_config"])
-        cfg = drafter_config(**meta["drafter_config"])
+        # Folders written before 2026-12-02 also hold num_anchors, now a train setting.
+        cfg = drafter_config(**{k: v for k, v in meta["drafter_config"].items() if k != "num_anchors"})
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"invalid {ORBAX_MARKER} in {folder}: {e}") from e
     check_target_fit(model_cfg, cfg, target_config, num_target_layers=meta.get("num_target_layers"))

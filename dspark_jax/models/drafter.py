@@ -130,7 +130,7 @@ class DrafterModel(nnx.Module):
     """The drafter's parameters and forward passes.
 
     Args:
-      model_cfg: the draft layers' architecture, a target-style config (``config.py``) whose
+      model_cfg: the draft layers' architecture, a target-style config (``model_config.py``) whose
         ``num_hidden_layers`` is the number of draft layers.
       cfg: the drafter config (``drafter_config.py``).
     """

@@ -30,7 +30,7 @@ class HeldOut:
     Args:
       drafter: a drafter of the architecture to evaluate (its target gives the features online).
       data_dir: a prepared data folder (or several) not used for training.
-      train_cfg: the training settings (pack_length, anchors_per_row, loss weights,
+      train_cfg: the training settings (pack_length, anchors_per_row, num_anchors, loss weights,
         anchor_chunk); ``batch_size`` defaults to ``train_cfg.global_batch_size``.
       seed: packing and anchor seed (keep it fixed to compare drafters on the same anchors).
       max_batches: keep only the first batches of the epoch (None: the whole epoch).
@@ -47,7 +47,7 @@ class HeldOut:
         data = make_pipeline(data_dir, batch_size=batch_size or train_cfg.global_batch_size,
                              pack_length=train_cfg.pack_length,
                              anchors_per_row=train_cfg.anchors_per_row,
-                             anchors_per_sequence=cfg.num_anchors, block_size=cfg.block_size,
+                             anchors_per_sequence=train_cfg.num_anchors, block_size=cfg.block_size,
                              seed=seed, feature_dir=feature_dir or None,
                              feature_key=cache_key(target, cfg.target_layer_ids) if feature_dir else None)
         self.batches = []

@@ -3,7 +3,7 @@
 DeepSpec starts every drafter parameter from N(0, 0.02) (the Markov factors W1 [V, r] and
 W2 [r, V] included) and trains all of them at one learning rate. With both Markov factors small
 and random, the bias W1[prev] @ W2 and its gradients are tiny: a short run never moves the head.
-The train config's recipe fields (``presets.RECIPE_REFERENCE`` holds their reference values)
+The train config's recipe fields (:data:`RECIPE_REFERENCE` holds their reference values)
 choose other starts, applied once to a freshly initialised drafter before step 0:
 
   markov_init        "reference": leave init_drafter's N(0, 0.02) factors.
@@ -37,6 +37,10 @@ from flax import nnx
 from dspark_jax.training.data import load_manifest, read_shard
 
 MARKOV_INITS = ("reference", "zero_w2", "bigram")
+# The recipe fields at the reference's values: N(0, 0.02) Markov factors, draft layers from
+# init, one learning rate for every parameter.
+RECIPE_REFERENCE = dict(markov_init="reference", markov_w1_scale=1.0, markov_scale=1.0,
+                        bigram_smoothing=1.0, draft_layers_from=(), lr_multipliers=())
 # Name paths of the Markov factors in a drafter's parameters.
 W1_PATH = ("markov_head", "markov_w1", "embedding")
 W2_PATH = ("markov_head", "markov_w2", "kernel")

@@ -64,7 +64,7 @@ def _packing(train_cfg, drafter_config) -> dict:
     hosts = jax.process_count()
     return dict(batch_size=train_cfg.global_batch_size // hosts,
                 pack_length=train_cfg.pack_length, anchors_per_row=train_cfg.anchors_per_row,
-                anchors_per_sequence=drafter_config.num_anchors,
+                anchors_per_sequence=train_cfg.num_anchors,
                 block_size=drafter_config.block_size, seed=train_cfg.seed,
                 shard_index=jax.process_index(), shard_count=hosts)
 
@@ -87,7 +87,7 @@ def total_steps(train_cfg, drafter_config) -> int:
 
     Args:
       train_cfg: the ``.train`` settings (data_dir, global_batch_size, pack_length, ...).
-      drafter_config: the drafter's config (num_anchors, block_size).
+      drafter_config: the drafter's config (block_size).
     """
     if train_cfg.max_steps > 0:
         return int(train_cfg.max_steps)
@@ -136,13 +136,12 @@ class _Logger:
 
 def warm_start_params(path: str, drafter: Drafter):
     """The parameters of a saved drafter (``train.init_from``) to start a run from, checked
-    against the run's drafter: same config (anchors per sequence aside) and tensor shapes.
+    against the run's drafter: same config and tensor shapes.
 
     A warm start is a new run: the optimizer state and the learning-rate schedule start over.
     """
     loaded = load_drafter(path, drafter.target)
-    mine = {k: v for k, v in drafter.config.items() if k != "num_anchors"}
-    theirs = {k: v for k, v in loaded.config.items() if k != "num_anchors"}
+    mine, theirs = dict(drafter.config), dict(loaded.config)
     if mine != theirs:
         diff = sorted(k for k in mine if mine[k] != theirs.get(k))
         raise ValueError(f"train.init_from {path}: its drafter config differs in "
@@ -266,5 +265,5 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     params = jax.tree.map(lambda p: p.astype(drafter.dtype), state.params)
     trained = Drafter(drafter.config, drafter.model_config, params, drafter.graphdef, target)
     if jax.process_index() == 0:
-        trained.save(workdir / "drafter", layout="deepspec")
+        trained.save(workdir / "drafter", layout="deepspec", num_anchors=train_cfg.num_anchors)
     return trained

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 import dspark_jax
 from dspark_jax.checkpoints import registry
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.config import UnsupportedModelError, model_config_from_hf
+from dspark_jax.model_config import UnsupportedModelError, model_config_from_hf
 from dspark_jax.target import init_target
 
 SMOLLM2 = "smollm2-135m-instruct"

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 import dspark_jax
 from dspark_jax.checkpoints import deepspec, hf
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.config import model_config_from_hf
+from dspark_jax.model_config import model_config_from_hf
 from dspark_jax.drafter_config import drafter_config
 from dspark_jax.target import init_target
 
@@ -79,7 +79,7 @@ def test_qwen3_4b_names_and_shapes_without_allocation():
     shapes = deepspec.tensor_shapes("deepspec", cfg, abstract, target_cfg)
     assert shapes == spec_shapes(d=2560, heads=32, kv=8, hd=128, inner=9728, vocab=151936, taps=5,
                                  rank=256, layers=5)
-    hf_config = deepspec.hf_config_for("deepspec", model_cfg, cfg, target_cfg)
+    hf_config = deepspec.hf_config_for("deepspec", model_cfg, cfg, target_cfg, num_anchors=512)
     assert hf_config["architectures"] == ["Qwen3DSparkModel"]
     assert {k: hf_config[k] for k in ("block_size", "mask_token_id", "target_layer_ids",
                                       "num_target_layers", "num_anchors", "markov_rank",

@@ -15,7 +15,7 @@ import pytest
 from ml_collections import ConfigDict
 
 import dspark_jax
-from dspark_jax import presets, sharding
+from dspark_jax import experiment, sharding
 from dspark_jax.cli import main as cli_main
 from dspark_jax.target import init_target
 from dspark_jax.training import data, features, pipeline
@@ -26,7 +26,7 @@ TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, i
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
             eos_token_id=3)
 TAPS = (0, 2)
-CFG = ConfigDict(dict(presets.DSPARK_TRAIN, learning_rate=3e-3, warmup_ratio=0.0))
+CFG = ConfigDict(dict(experiment.DSPARK_TRAIN, learning_rate=3e-3, warmup_ratio=0.0))
 PIPE = dict(batch_size=2, pack_length=48, anchors_per_row=6, anchors_per_sequence=3, block_size=4,
             seed=5)
 SHARDS = [(0, 9), (9, 9), (9, 20)]  # sample ranges; the second shard is empty
@@ -268,14 +268,14 @@ def test_cli_and_trainer_with_cache(tmp_path):
     data_dir = write_data(tmp_path / "data")
     config = tmp_path / "tiny.py"
     config.write_text(textwrap.dedent(f'''
-        from dspark_jax import presets
+        from dspark_jax import experiment
 
         def get_config():
-            return presets.experiment(
+            return experiment.experiment_config(
                 {str(tmp_path / "target")!r},
                 drafter=dict(target_layer_ids={TAPS!r}, mask_token_id=63, block_size=4,
-                             num_layers=1, markov_rank=8, head="markov", num_anchors=4),
-                train=dict(presets.DSPARK_TRAIN, data_dir=({str(data_dir)!r},), max_steps=3,
+                             num_layers=1, markov_rank=8, head="markov"),
+                train=dict(experiment.DSPARK_TRAIN, num_anchors=4, data_dir=({str(data_dir)!r},), max_steps=3,
                            global_batch_size=2, pack_length=48, anchors_per_row=8,
                            anchor_chunk=4, learning_rate=3e-3, log_every=1))
     '''))

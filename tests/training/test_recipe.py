@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dspark_jax
-from dspark_jax import presets
+from dspark_jax import experiment
 from dspark_jax.target import init_target
 from dspark_jax.training import recipe
 from dspark_jax.training.data import write_manifest, write_shard
@@ -54,7 +54,7 @@ def data(tmp_path_factory):
 
 
 def _train_cfg(**fields):
-    return ml_collections.ConfigDict(dict(presets.DSPARK_TRAIN, **fields))
+    return ml_collections.ConfigDict(dict(experiment.DSPARK_TRAIN, **fields))
 
 
 def _flat(state):

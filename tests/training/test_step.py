@@ -15,14 +15,14 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import dspark_jax
-from dspark_jax import presets, sharding
+from dspark_jax import experiment, sharding
 from dspark_jax.models.drafter import block_attention_mask
 from dspark_jax.target import init_target
 from dspark_jax.training import step as train_step
 
 TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-CFG = ConfigDict(dict(presets.DSPARK_TRAIN, learning_rate=3e-3, warmup_ratio=0.0))
+CFG = ConfigDict(dict(experiment.DSPARK_TRAIN, learning_rate=3e-3, warmup_ratio=0.0))
 
 def random_sequence(rng, length, vocab=64, prompt=2, num_anchors=2):
     """(ids, loss_mask, anchors): a prompt of ``prompt`` tokens, then loss tokens; anchors are
@@ -217,7 +217,7 @@ SHARDED_SCRIPT = textwrap.dedent(r'''
     from flax import nnx
     from ml_collections import ConfigDict
     import dspark_jax
-    from dspark_jax import presets, sharding
+    from dspark_jax import experiment, sharding
     from dspark_jax.target import init_target
     from dspark_jax.training import step as train_step
 
@@ -228,7 +228,7 @@ SHARDED_SCRIPT = textwrap.dedent(r'''
     TINY = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32,
                 intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8)
-    CFG = ConfigDict(dict(presets.DSPARK_TRAIN, learning_rate=3e-3, warmup_ratio=0.0))
+    CFG = ConfigDict(dict(experiment.DSPARK_TRAIN, learning_rate=3e-3, warmup_ratio=0.0))
     target = init_target(TINY, seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4)
     rng = np.random.default_rng(4)

@@ -45,14 +45,14 @@ def setup(tmp_path_factory):
                                        num_samples=len(samples)))
     config = root / "tiny.py"
     config.write_text(textwrap.dedent(f'''
-        from dspark_jax import presets
+        from dspark_jax import experiment
 
         def get_config():
-            return presets.experiment(
+            return experiment.experiment_config(
                 {str(root / "target")!r},
                 drafter=dict(target_layer_ids=(0, 2), mask_token_id=63, block_size=4,
-                             num_layers=1, markov_rank=8, head="markov", num_anchors=4),
-                train=dict(presets.DSPARK_TRAIN, data_dir=({str(root / "data")!r},),
+                             num_layers=1, markov_rank=8, head="markov"),
+                train=dict(experiment.DSPARK_TRAIN, num_anchors=4, data_dir=({str(root / "data")!r},),
                            max_steps=8, global_batch_size=2, pack_length=96,
                            anchors_per_row=8, anchor_chunk=4, learning_rate=3e-3,
                            log_every=1, checkpoint_every=1, keep_checkpoints=2,
@@ -197,7 +197,7 @@ def test_epochs_count_the_packed_batches(setup):
     tcfg, dcfg = config.train, config.drafter
     data = make_pipeline(list(tcfg.data_dir), batch_size=tcfg.global_batch_size,
                          pack_length=tcfg.pack_length, anchors_per_row=tcfg.anchors_per_row,
-                         anchors_per_sequence=dcfg.num_anchors, block_size=dcfg.block_size,
+                         anchors_per_sequence=tcfg.num_anchors, block_size=dcfg.block_size,
                          seed=tcfg.seed)
     yielded = 0
     while data.epoch == 0:  # every sample of this data has anchor candidates
