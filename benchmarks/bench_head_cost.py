@@ -29,7 +29,7 @@ alike), reported as medians:
   states [b, B, d] and base logits [b, B, V]; temperature 1.0, top-p 1.0, and greedy
   (temperature 0) as a second column. Same compiled function for both (the parameters are
   traced).
-* ``draft(head)``: the whole draft step ``DrafterModel.draft`` (B new context taps written into
+* ``draft(head)``: the whole draft step ``DSparkModel.draft`` (B new context taps written into
   a draft cache of the same size, the block attending to C context slots) + base logits
   ``target.logits`` + ``sample_block``, temperature 1.0.
 
@@ -105,7 +105,7 @@ def main():
     def sampler_impl(graphdef, state, hidden, base, anchor, key, temperature, top_p):
         model = nnx.merge(graphdef, state)
         return sample_block(head=model.markov_head, confidence_head=model.confidence_head,
-                            confidence_with_markov=model.cfg.confidence_head_with_markov,
+                            confidence_with_markov=model.config.confidence_head_with_markov,
                             hidden=hidden, base_logits=base, anchor_tokens=anchor, key=key,
                             temperature=temperature, top_p=top_p)
 

@@ -40,7 +40,7 @@ S = W + max_new_tokens + P + 1 cache slots, as in the engine), jitted, compiled,
 * ``t_verify``: one target forward of P + 1 tokens at positions
   prompt_len + ``--context-extra`` + [0..P] per row through a KV cache of S slots (donated and
   threaded through the calls), returning the logits and the drafter's taps.
-* ``t_draft``: one ``DrafterModel.draft`` (P + 1 new context taps, draft cache of S slots) +
+* ``t_draft``: one ``DSparkModel.draft`` (P + 1 new context taps, draft cache of S slots) +
   ``sample_draft`` (LM head + block sampler) for the same rows, at the run's temperature.
 
 The decode phase is the wall less the prefill (SPEC: less the first draft too):

@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     sb = sub.add_parser("serve-bench", help="continuous-batching throughput and verification "
-                        "budget against concurrency, per policy (closed-loop eval prompts)")
+                        "proposal length against concurrency, per policy (closed-loop eval prompts)")
     serving_args(sb)
     sb.add_argument("--policies", default="prefix,production,fixed1,fixed-best,full",
                     help="comma-separated: full, prefix, production, fixed<G>, fixed-best, "

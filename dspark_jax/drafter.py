@@ -23,7 +23,7 @@ from dspark_jax.checkpoints import deepspec
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints import calibration_file as calibration
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
-from dspark_jax.models.drafter import DrafterModel, first_proposal_slot
+from dspark_jax.models.drafter import DSparkModel, first_proposal_slot
 from dspark_jax.target import Target
 
 
@@ -33,7 +33,7 @@ class Drafter:
     Attributes:
       config: the drafter config (``dspark_jax.drafter_config``).
       model_config: the draft layers' architecture (a target-style config).
-      graphdef, state: the split ``DrafterModel`` (``nnx.merge(graphdef, state)`` inside jit).
+      graphdef, state: the split ``DSparkModel`` (``nnx.merge(graphdef, state)`` inside jit).
       target: the Target whose embedding, LM head and taps the drafter uses.
       confidence_temperatures: float32 [P] STS temperatures (``dspark-jax calibrate``), read
         from and saved to ``calibration.json`` in the checkpoint folder; None = uncalibrated.
@@ -70,7 +70,7 @@ class Drafter:
                 f"taps={list(c.target_layer_ids)})")
 
     @property
-    def model(self) -> DrafterModel:
+    def model(self) -> DSparkModel:
         return nnx.merge(self.graphdef, self.state)
 
     @property
@@ -147,7 +147,7 @@ def init_drafter(target: Target, config=None, *, seed: int = 0, dtype=None, **ov
     check_fit(cfg, target.config)
     model_cfg = deepspec.draft_model_config(target.config, cfg.num_layers)
     with sharding.unsharded_init():
-        model = DrafterModel(model_cfg, cfg, dtype=dtype or target.dtype, rngs=nnx.Rngs(seed))
+        model = DSparkModel(model_cfg, cfg, dtype=dtype or target.dtype, rngs=nnx.Rngs(seed))
         graphdef, state = nnx.split(model)
     return Drafter(cfg, model_cfg, sharding.shard_state(state), graphdef, target)
 

@@ -28,7 +28,7 @@ class GenerationResult:
     text: str  # decoded without special tokens
     stats: dict
     # With record=True: this request's rounds, {"confidence_logits": float32 [r, P],
-    # "num_verified": int32 [r], "num_accepted": int32 [r]} (numpy).
+    # "proposal_len": int32 [r], "num_accepted": int32 [r]} (numpy).
     trace: dict | None = None
 
 

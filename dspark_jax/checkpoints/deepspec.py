@@ -42,7 +42,7 @@ from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.model_config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
 from dspark_jax.drafter_config import DEEPSPEC_HEAD_TYPES, check_fit, drafter_config
-from dspark_jax.models.drafter import DrafterModel
+from dspark_jax.models.drafter import DSparkModel
 
 LAYOUTS = ("deepspec", "dflash", "orbax")
 ORBAX_MARKER = "dspark_drafter.json"
@@ -65,9 +65,9 @@ def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenC
 
 
 def abstract_drafter(model_cfg, cfg, dtype):
-    """(graphdef, abstract state) of a DrafterModel without allocating it."""
+    """(graphdef, abstract state) of a DSparkModel without allocating it."""
     with sharding.unsharded_init():
-        return nnx.split(nnx.eval_shape(lambda: DrafterModel(model_cfg, cfg, dtype=dtype,
+        return nnx.split(nnx.eval_shape(lambda: DSparkModel(model_cfg, cfg, dtype=dtype,
                                                              rngs=nnx.Rngs(0))))
 
 

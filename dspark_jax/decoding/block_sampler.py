@@ -78,17 +78,17 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
 def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array, key: jax.Array,
                  temperature: jax.Array | float = 1.0, top_p: jax.Array | float = 1.0,
                  top_k: jax.Array | int = 0) -> BlockSample:
-    """Samples the proposals of blocks drafted by ``DrafterModel.draft``.
+    """Samples the proposals of blocks drafted by ``DSparkModel.draft``.
 
     Args:
-      drafter: a ``DrafterModel``; target: the target ``Decoder`` (its LM head).
+      drafter: a ``DSparkModel``; target: the target ``Decoder`` (its LM head).
       hidden: [b, B, d] the block's hidden states; slots from ``drafter.first_proposal_slot``
         on are the proposals (P = B or B - 1).
       anchor_tokens: int [b]; key, temperature, top_p, top_k as in :func:`sample_block`.
     """
     proposal = hidden[:, drafter.first_proposal_slot:]
     return sample_block(head=drafter.markov_head, confidence_head=drafter.confidence_head,
-                        confidence_with_markov=drafter.cfg.confidence_head_with_markov,
+                        confidence_with_markov=drafter.config.confidence_head_with_markov,
                         hidden=proposal, base_logits=target.logits(proposal),
                         anchor_tokens=anchor_tokens, key=key, temperature=temperature,
                         top_p=top_p, top_k=top_k)

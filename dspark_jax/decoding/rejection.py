@@ -1,6 +1,6 @@
 """Speculative-decoding verification: rejection sampling of a drafted block against the target.
 
-Rule (spec section 7, step 5), for request ``b`` with ``n = num_draft[b]`` drafted tokens
+Rule (spec section 7, step 5), for request ``b`` with ``n = proposal_len[b]`` drafted tokens
 ``x_0 .. x_{n-1}``, draft laws ``q_k`` (the row ``x_k`` was drawn from) and target laws ``p_k``
 (the target's row for position ``k`` given the prefix ``anchor, x_0 .. x_{k-1}``):
 
@@ -44,9 +44,9 @@ class VerifyResult:
     """Outcome of verifying one drafted block per request.
 
     Attributes:
-      num_accepted: int32 [B], accepted draft tokens, in 0..num_draft[b].
+      num_accepted: int32 [B], accepted draft tokens, in 0..proposal_len[b].
       next_token: int32 [B], the corrected token at the first rejection, or the bonus token
-        when all num_draft[b] drafted tokens were accepted.
+        when all proposal_len[b] drafted tokens were accepted.
       accepted_mask: bool [B, K], position k accepted; always a prefix of length num_accepted.
     """
 
@@ -63,7 +63,7 @@ class VerifyDecision(NamedTuple):
       accepted_mask: bool [B, K] (a prefix).
       next_probs: float32 [B, V], the exact law ``next_token`` is drawn from: the normalized
         residual at the first rejection (or the target row there if the residual mass is below
-        RESIDUAL_EPS), or the target row ``num_draft[b]`` when everything was accepted.
+        RESIDUAL_EPS), or the target row ``proposal_len[b]`` when everything was accepted.
     """
 
     num_accepted: jax.Array
@@ -99,7 +99,7 @@ def verify_from_uniforms(
     draft_tokens: jax.Array,
     draft_probs: jax.Array,
     target_probs: jax.Array,
-    num_draft: jax.Array,
+    proposal_len: jax.Array,
 ) -> VerifyDecision:
     """Accept/reject decision and law of the emitted token for given uniforms.
 
@@ -108,7 +108,7 @@ def verify_from_uniforms(
       draft_tokens: int [B, K].
       draft_probs: float [B, K, V], q_k.
       target_probs: float [B, K + 1, V], p_k; row K is the bonus row of a full block.
-      num_draft: int [B] in 0..K; positions >= num_draft[b] are padding and never accepted.
+      proposal_len: int [B] in 0..K; positions >= proposal_len[b] are padding and never accepted.
 
     Returns:
       VerifyDecision with num_accepted [B], accepted_mask [B, K], next_probs [B, V].
@@ -118,11 +118,11 @@ def verify_from_uniforms(
         raise ValueError(
             f"target_probs needs K + 1 = {num_positions + 1} rows, got {target_probs.shape}"
         )
-    num_draft = num_draft.astype(jnp.int32)
+    proposal_len = proposal_len.astype(jnp.int32)
     draft_probs = draft_probs.astype(jnp.float32)
     target_probs = target_probs.astype(jnp.float32)
 
-    in_block = jnp.arange(num_positions, dtype=jnp.int32) < num_draft[..., None]
+    in_block = jnp.arange(num_positions, dtype=jnp.int32) < proposal_len[..., None]
     accept = (uniforms < acceptance_probs(draft_tokens, draft_probs, target_probs)) & in_block
     # Survival of the prefix: position k counts only when 0..k were all accepted.
     accepted_mask = jnp.cumprod(accept.astype(jnp.int32), axis=-1).astype(bool)
@@ -135,7 +135,7 @@ def verify_from_uniforms(
     q_j = jnp.take_along_axis(draft_probs, jnp.minimum(j, num_positions - 1), axis=-2)[..., 0, :]
     residual = jnp.maximum(p_j - q_j, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
-    rejected = (num_accepted < num_draft)[..., None]
+    rejected = (num_accepted < proposal_len)[..., None]
     use_residual = rejected & (mass >= RESIDUAL_EPS)
     next_probs = jnp.where(use_residual, residual / jnp.where(use_residual, mass, 1.0), p_j)
     return VerifyDecision(num_accepted, accepted_mask, next_probs)
@@ -146,7 +146,7 @@ def rejection_sample(
     draft_tokens: jax.Array,
     draft_probs: jax.Array,
     target_probs: jax.Array,
-    num_draft: jax.Array,
+    proposal_len: jax.Array,
 ) -> VerifyResult:
     """Verifies a drafted block per request by rejection sampling (spec section 7, step 5).
 
@@ -155,15 +155,15 @@ def rejection_sample(
       draft_tokens: int32 [B, K], x_k.
       draft_probs: float32 [B, K, V], q_k, the exact row x_k was sampled from.
       target_probs: float32 [B, K + 1, V], p_k, the target row for position k given the prefix
-        anchor, x_0 .. x_{k-1}; row num_draft[b] is the bonus row.
-      num_draft: int32 [B] in 0..K, the number of drafted tokens request b verifies.
+        anchor, x_0 .. x_{k-1}; row proposal_len[b] is the bonus row.
+      proposal_len: int32 [B] in 0..K, the number of drafted tokens request b verifies.
 
     Returns:
       VerifyResult(num_accepted [B], next_token [B], accepted_mask [B, K]).
     """
     key_u, key_next = split_key(key)
     uniforms = uniform(key_u, draft_tokens.shape)
-    decision = verify_from_uniforms(uniforms, draft_tokens, draft_probs, target_probs, num_draft)
+    decision = verify_from_uniforms(uniforms, draft_tokens, draft_probs, target_probs, proposal_len)
     next_token = sample_from_probs(key_next, decision.next_probs)
     return VerifyResult(
         num_accepted=decision.num_accepted,
@@ -173,7 +173,7 @@ def rejection_sample(
 
 
 def greedy_verify(draft_tokens: jax.Array, target_tokens: jax.Array,
-                  num_draft: jax.Array) -> VerifyResult:
+                  proposal_len: jax.Array) -> VerifyResult:
     """:func:`rejection_sample` of greedy rows, from the target's argmax tokens alone.
 
     With point-mass rows the acceptance ratio is 1 when x_k is the target's argmax and 0
@@ -182,10 +182,10 @@ def greedy_verify(draft_tokens: jax.Array, target_tokens: jax.Array,
 
     Args:
       draft_tokens: int32 [B, K]; target_tokens: int32 [B, K + 1], the target's argmax per row;
-      num_draft: int32 [B] in 0..K.
+      proposal_len: int32 [B] in 0..K.
     """
     num_positions = draft_tokens.shape[-1]
-    in_block = jnp.arange(num_positions, dtype=jnp.int32) < num_draft[..., None]
+    in_block = jnp.arange(num_positions, dtype=jnp.int32) < proposal_len[..., None]
     accept = (draft_tokens == target_tokens[..., :num_positions]) & in_block
     accepted_mask = jnp.cumprod(accept.astype(jnp.int32), axis=-1).astype(bool)
     num_accepted = jnp.sum(accepted_mask, axis=-1, dtype=jnp.int32)
@@ -195,7 +195,7 @@ def greedy_verify(draft_tokens: jax.Array, target_tokens: jax.Array,
 
 
 def verify_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array,
-                  target_logits: jax.Array, num_draft: jax.Array, temperature: jax.Array,
+                  target_logits: jax.Array, proposal_len: jax.Array, temperature: jax.Array,
                   top_p: jax.Array, top_k: jax.Array) -> VerifyResult:
     """:func:`rejection_sample` against the target's raw logits [B, K + 1, V].
 
@@ -206,10 +206,10 @@ def verify_logits(key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Arra
     """
     def sampled():
         target_probs = sampling_probs(target_logits, temperature, top_p, top_k)
-        return rejection_sample(key, draft_tokens, draft_probs, target_probs, num_draft)
+        return rejection_sample(key, draft_tokens, draft_probs, target_probs, proposal_len)
 
     def greedy():
         target_tokens = argmax(target_logits)
-        return greedy_verify(draft_tokens, target_tokens, num_draft)
+        return greedy_verify(draft_tokens, target_tokens, proposal_len)
 
     return jax.lax.cond(jnp.all(jnp.asarray(temperature) <= GREEDY_TEMPERATURE), greedy, sampled)

@@ -53,10 +53,10 @@ class Counters:
     rounds: jax.Array  # int32 [S] rounds the request was active in
     tau_sum: jax.Array  # int32 [S] accepted + 1 per round (accepted only when EOS ends it)
     accepted: jax.Array  # int32 [S] draft tokens accepted by the verifier
-    proposed: jax.Array  # int32 [S] draft tokens verified (sum of the budgets)
+    proposal_len_sum: jax.Array  # int32 [S] draft tokens verified (sum of proposal_len)
     accepted_ge: jax.Array  # int32 [S, P] rounds with accepted >= k + 1
-    proposed_ge: jax.Array  # int32 [S, P] rounds with budget >= k + 1
-    reached: jax.Array  # int32 [S, P] rounds with budget >= k + 1 and accepted >= k
+    proposal_len_ge: jax.Array  # int32 [S, P] rounds with proposal_len >= k + 1
+    reached: jax.Array  # int32 [S, P] rounds with proposal_len >= k + 1 and accepted >= k
 
     @classmethod
     def zeros(cls, slots: int, proposals: int) -> "Counters":
@@ -71,7 +71,7 @@ class Trace:
     is entry r of its row, valid for r < Counters.rounds."""
 
     confidence_logits: jax.Array  # float32 [S, R, P] raw z_k of the verified block (0: no head)
-    num_verified: jax.Array  # int32 [S, R] draft tokens the scheduler sent to the verifier
+    proposal_len: jax.Array  # int32 [S, R] draft tokens the scheduler sent to the verifier
     num_accepted: jax.Array  # int32 [S, R] draft tokens the verifier accepted
 
     @classmethod
@@ -159,14 +159,14 @@ def request_keys(seeds: jax.Array) -> jax.Array:
 
 class RoundOutput(NamedTuple):
     finished: jax.Array  # bool [S] the slot's request ended this round
-    verified_tokens: jax.Array  # int32: sum over active slots of 1 + budget
+    verified_tokens: jax.Array  # int32: sum over active slots of 1 + proposal_len
     bucket: jax.Array  # int32: index of the token bucket the verify forward ran with
 
 
-def flat_layout(lengths: jax.Array, active: jax.Array, size: int):
+def flat_layout(proposal_len: jax.Array, active: jax.Array, size: int):
     """The marker tensor: where each of ``size`` flat tokens comes from.
 
-    Slot s contributes 1 + lengths[s] tokens (its anchor and verified drafts) when active,
+    Slot s contributes 1 + proposal_len[s] tokens (its anchor and verified drafts) when active,
     laid out in slot order.
 
     Returns:
@@ -174,8 +174,8 @@ def flat_layout(lengths: jax.Array, active: jax.Array, size: int):
       cols: int32 [size] column within the slot (0 = anchor); 0 for padding.
       total: int32, the number of real tokens.
     """
-    num_slots = lengths.shape[0]
-    counts = jnp.where(active, lengths + 1, 0)
+    num_slots = proposal_len.shape[0]
+    counts = jnp.where(active, proposal_len + 1, 0)
     ends = jnp.cumsum(counts)
     t = jnp.arange(size)
     rows = jnp.searchsorted(ends, t, side="right").astype(jnp.int32)
@@ -240,7 +240,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     visible) and their counters, output and history start afresh.
 
     Args:
-      target: the target ``Decoder``; drafter: its ``DrafterModel`` or None.
+      target: the target ``Decoder``; drafter: its ``DSparkModel`` or None.
       temperatures: float32 [P] the drafter's STS temperatures (ones: uncalibrated).
       width: W, the static prompt width of the admission grid (>= every prompt length).
 
@@ -249,8 +249,8 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     """
     a = admissions
     num_admitted = a.slot.shape[0]
-    cfg = target.cfg
-    taps = () if drafter is None else tuple(drafter.cfg.target_layer_ids)
+    cfg = target.config
+    taps = () if drafter is None else tuple(drafter.config.target_layer_ids)
     no_history = KVCache.zeros(cfg.num_hidden_layers, num_admitted, 0, cfg.num_key_value_heads,
                                cfg.head_dim, caches.target.k.dtype)
     o = ragged_forward(target, a.tokens, a.cols, a.rows, a.cols, jnp.zeros_like(a.length),
@@ -291,25 +291,25 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     return *laid_out(slots, Caches(t_cache, d_cache)), done
 
 
-def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.Array,
+def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: jax.Array,
                  eos_ids: jax.Array, temperatures: jax.Array, *, buckets: tuple[int, ...]
                  ) -> tuple[Slots, Caches, RoundOutput]:
     """One verify + emit + draft round over every slot.
 
     Args:
-      target: the target ``Decoder``; drafter: its ``DrafterModel`` or None (autoregressive).
-      num_draft: int32 [S] drafts each slot verifies (0 for free slots; the scheduler's choice).
+      target: the target ``Decoder``; drafter: its ``DSparkModel`` or None (autoregressive).
+      proposal_len: int32 [S] drafts each slot verifies (0 for free slots; the scheduler's choice).
       temperatures: float32 [P] the drafter's STS temperatures.
       buckets: static sorted flat token counts of the verify forward, the last one S * Q.
     """
     num_slots, proposals = slots.block_tokens.shape
     width = proposals + 1
     assert buckets[-1] == num_slots * width, (buckets, num_slots, width)
-    taps = () if drafter is None else tuple(drafter.cfg.target_layer_ids)
+    taps = () if drafter is None else tuple(drafter.config.target_layer_ids)
     active, anchor, anchor_pos, sampling = slots.active, slots.anchor, slots.anchor_pos, slots.sampling
-    num_draft = jnp.where(active, num_draft, 0)
+    proposal_len = jnp.where(active, proposal_len, 0)
 
-    rows, cols, total = flat_layout(num_draft, active, buckets[-1])
+    rows, cols, total = flat_layout(proposal_len, active, buckets[-1])
     safe_rows = jnp.minimum(rows, num_slots - 1)
     verify_tokens = jnp.concatenate([anchor[:, None], slots.block_tokens], axis=1)  # [S, Q]
     tokens = verify_tokens[safe_rows, cols]
@@ -326,7 +326,7 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
         alone (``rejection.greedy_verify``)."""
         dense = size == num_slots * width
 
-        def run(t_cache, tokens, positions, rows, cols, sampling, num_draft):
+        def run(t_cache, tokens, positions, rows, cols, sampling, proposal_len):
             if dense:
                 tokens = verify_tokens.reshape(-1)
                 positions = (anchor_pos[:, None] + jnp.arange(width)).reshape(-1)
@@ -351,11 +351,11 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
                 probs = sampling_probs(logits, sampling.temperature[row_of],
                                        sampling.top_p[row_of], sampling.top_k[row_of])
                 return rejection.rejection_sample(k_verify, slots.block_tokens, slots.block_probs,
-                                                  to_slots(probs), num_draft)
+                                                  to_slots(probs), proposal_len)
 
             def greedy():
                 return rejection.greedy_verify(slots.block_tokens, to_slots(argmax(logits)),
-                                               num_draft)
+                                               proposal_len)
 
             verdict = jax.lax.cond(all_greedy, greedy, sampled)
             tap_grid = None if o.taps is None else to_slots(o.taps)
@@ -365,9 +365,9 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
     bucket = jnp.searchsorted(jnp.asarray(buckets), total).astype(jnp.int32)
     verdict, new_taps, new_k, new_v = jax.lax.switch(
         bucket, [verify_branch(size) for size in buckets], caches.target, tokens, positions, rows,
-        cols, sampling, num_draft)
+        cols, sampling, proposal_len)
     index = jnp.arange(width)
-    verified = active[:, None] & (index[None, :] <= num_draft[:, None])  # [S, Q]
+    verified = active[:, None] & (index[None, :] <= proposal_len[:, None])  # [S, Q]
     written = jnp.where(verified, anchor_pos[:, None] + index, caches.target.num_slots)  # else dropped
     t_cache = caches.target.write(new_k, new_v, written)
     accepted = jnp.where(active, verdict.num_accepted, 0)
@@ -384,15 +384,15 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, num_draft: jax.A
     c = slots.counters
     counters = Counters(
         rounds=c.rounds + act, tau_sum=c.tau_sum + em.tau, accepted=c.accepted + accepted,
-        proposed=c.proposed + num_draft,
+        proposal_len_sum=c.proposal_len_sum + proposal_len,
         accepted_ge=c.accepted_ge + act[:, None] * (accepted[:, None] >= ks),
-        proposed_ge=c.proposed_ge + act[:, None] * (num_draft[:, None] >= ks),
-        reached=c.reached + act[:, None] * ((num_draft[:, None] >= ks)
+        proposal_len_ge=c.proposal_len_ge + act[:, None] * (proposal_len[:, None] >= ks),
+        reached=c.reached + act[:, None] * ((proposal_len[:, None] >= ks)
                                             & (accepted[:, None] >= ks - 1)))
     t = slots.trace
-    at_round = (jnp.arange(num_slots), jnp.where(active, c.rounds, t.num_verified.shape[1]))
+    at_round = (jnp.arange(num_slots), jnp.where(active, c.rounds, t.proposal_len.shape[1]))
     trace = Trace(t.confidence_logits.at[at_round].set(slots.confidence_logits, mode="drop"),
-                  t.num_verified.at[at_round].set(num_draft, mode="drop"),
+                  t.proposal_len.at[at_round].set(proposal_len, mode="drop"),
                   t.num_accepted.at[at_round].set(accepted, mode="drop"))
 
     # Commit: new anchor after the accepted prefix; draft the next block from the verified taps.

@@ -70,7 +70,7 @@ class Request:
     tokens: list[int] = dataclasses.field(default_factory=list)  # generated, EOS included
     # Speculative counters (``engine.stats.COUNTERS``), up to date after every engine call.
     counters: dict = dataclasses.field(default_factory=dict)
-    # With record_rounds: {"confidence_logits": float32 [r, P], "num_verified": int32 [r],
+    # With record_rounds: {"confidence_logits": float32 [r, P], "proposal_len": int32 [r],
     # "num_accepted": int32 [r]} of its r rounds (numpy), set when it finished.
     trace: dict | None = None
     submitted_at: float = 0.0
@@ -218,12 +218,12 @@ class Engine:
             raise ValueError(f"need slots >= 1 and max_len >= 2, got {slots} and {max_len}")
         self.target, self.drafter = target, drafter
         self.num_slots, self.max_len = slots, max_len
-        self.proposals = 0 if drafter is None else drafter.num_proposals
+        self.num_proposals = 0 if drafter is None else drafter.num_proposals
         # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.
-        self._temperatures = (np.ones((self.proposals,), np.float32)
+        self._temperatures = (np.ones((self.num_proposals,), np.float32)
                               if drafter is None or drafter.confidence_temperatures is None
                               else np.asarray(drafter.confidence_temperatures, np.float32))
-        self.buckets = token_buckets(slots, self.proposals, buckets)
+        self.buckets = token_buckets(slots, self.num_proposals, buckets)
         self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
         self._eos_set = frozenset(target.eos_token_ids or ())
         self._key = jax.random.key(seed)
@@ -240,7 +240,7 @@ class Engine:
                 KVCache.zeros(cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads,
                               cfg.head_dim, target.dtype), d_cache)
             return round_lib.laid_out(
-                round_lib.Slots.empty(slots, self.proposals, cfg.vocab_size, max_len, key,
+                round_lib.Slots.empty(slots, self.num_proposals, cfg.vocab_size, max_len, key,
                                       record_rounds), caches)
 
         # Under jax.set_mesh the state is laid out over the mesh (round.laid_out); every leaf is
@@ -263,7 +263,7 @@ class Engine:
         Raises:
           ValueError: an unknown policy or parameter.
         """
-        self.policy_params = verification.default_params(policy, self.num_slots, self.proposals,
+        self.policy_params = verification.default_params(policy, self.num_slots, self.num_proposals,
                                                           policy_params, self._temperatures)
         self.policy = policy
 
@@ -316,7 +316,7 @@ class Engine:
                 models += (d.graphdef, str(d.dtype), _shardings(d.state))
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))
         return (self._structure_id, self.num_slots, self.max_len,
-                self._slots.trace.num_verified.shape[1], self.eos_ids.shape[0])
+                self._slots.trace.proposal_len.shape[1], self.eos_ids.shape[0])
 
     def _program(self, key, fn, args, static):
         program, seconds = _PROGRAMS.get(self._structure() + key, fn, args, static)
@@ -438,9 +438,9 @@ class Engine:
 
         Each request draws from its own PRNG key: from ``seed`` when given, else from the
         engine's seed and the request's id. A seeded request samples the same tokens whenever
-        it verifies the same budgets: always without a drafter and under the "full", "fixed"
+        it verifies the same proposal lengths: always without a drafter and under the "full", "fixed"
         and "threshold" policies, whatever runs beside it; under "prefix" and "production" the
-        budgets depend on the other requests, and so does the sampled path (not its law).
+        proposal lengths depend on the other requests, and so does the sampled path (not its law).
 
         Raises:
           ValueError: as :meth:`check_request`.
@@ -485,7 +485,7 @@ class Engine:
         """Reads the state back once: new tokens and counters of every running request; frees
         the slots of the finished ones and returns them."""
         s = self._slots
-        record = s.trace.num_verified.shape[1] > 0
+        record = s.trace.proposal_len.shape[1] > 0
         active, generated, output, counters, trace, summary = jax.device_get(
             (s.active, s.generated, s.output, s.counters, s.trace if record else None, summary))
         if summary is not None and int(summary.rounds):
@@ -507,7 +507,7 @@ class Engine:
                 if trace is not None:
                     r = request.counters["rounds"]
                     request.trace = {name: np.asarray(getattr(trace, name)[slot, :r])
-                                     for name in ("confidence_logits", "num_verified",
+                                     for name in ("confidence_logits", "proposal_len",
                                                   "num_accepted")}
                 del self._running[slot]
                 self._free.append(slot)
@@ -544,7 +544,7 @@ class Engine:
 
     def _profiling_params(self, gamma: int) -> dict:
         """Parameters of the profiling policy: ``gamma`` drafts spread over the active slots."""
-        return verification.default_params(spread_drafts, self.num_slots, self.proposals,
+        return verification.default_params(spread_drafts, self.num_slots, self.num_proposals,
                                            {"gamma": gamma}, self._temperatures)
 
     def sps_key(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> dict:

@@ -6,7 +6,8 @@ from typing import Sequence
 
 import numpy as np
 
-COUNTERS = ("rounds", "tau_sum", "accepted", "proposed", "accepted_ge", "proposed_ge", "reached")
+COUNTERS = ("rounds", "tau_sum", "accepted", "proposal_len_sum", "accepted_ge", "proposal_len_ge",
+            "reached")
 
 
 def _ratio(num, den):
@@ -28,9 +29,9 @@ def stats_from_counters(counters: dict) -> dict:
         rounds=c["rounds"],
         tau=_ratio(c["tau_sum"], c["rounds"]),
         accepted=c["accepted"],
-        proposal_len=_ratio(c["proposed"], c["rounds"]),
-        verify_rate=_ratio(c["accepted"], c["proposed"] + c["rounds"]),
-        accept_rate_at_k=[_ratio(a, p) for a, p in zip(c["accepted_ge"], c["proposed_ge"])],
+        proposal_len=_ratio(c["proposal_len_sum"], c["rounds"]),
+        verify_rate=_ratio(c["accepted"], c["proposal_len_sum"] + c["rounds"]),
+        accept_rate_at_k=[_ratio(a, p) for a, p in zip(c["accepted_ge"], c["proposal_len_ge"])],
         conditional_acceptance=[_ratio(a, r) for a, r in zip(c["accepted_ge"], c["reached"])],
         counters=c,
     )

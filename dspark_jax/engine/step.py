@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding.round import Admissions, Caches, Slots, prefill, verify_round
-from dspark_jax.scheduling.verification import policy_lengths
+from dspark_jax.scheduling.verification import policy_proposal_len
 
 
 class RunSummary(NamedTuple):
@@ -73,12 +73,12 @@ def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
     def body(carry):
         slots, caches, s, ended = carry
         if drafter is None:
-            num_draft = jnp.zeros(slots.active.shape, jnp.int32)
+            proposal_len = jnp.zeros(slots.active.shape, jnp.int32)
         else:
-            num_draft = policy_lengths(policy, slots.confidence, slots.history[0], slots.active,
-                                       policy_params)
+            proposal_len = policy_proposal_len(policy, slots.confidence, slots.history[0],
+                                               slots.active, policy_params)
         num_active = jnp.sum(slots.active.astype(jnp.int32))
-        slots, caches, out = verify_round(target, drafter, slots, caches, num_draft, eos_ids,
+        slots, caches, out = verify_round(target, drafter, slots, caches, proposal_len, eos_ids,
                                           temps, buckets=buckets)
         s = RunSummary(s.rounds + 1, s.verified_tokens + out.verified_tokens,
                        s.active_slot_rounds + num_active, s.bucket_counts.at[out.bucket].add(1))

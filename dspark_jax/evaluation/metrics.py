@@ -11,7 +11,7 @@ Shapes: ``n`` rounds, ``P`` proposals per round, ``m`` thresholds, ``B`` calibra
 * Acceptance per position: ``accept_rate@k = P(accepted > k)`` and the paper's Figure 2
   conditional acceptance ``P(accepted > k | accepted >= k)``.
 * Static threshold sweep (paper Figure 5) with the engine's own truncation rule,
-  :func:`dspark_jax.scheduling.threshold_lengths`.
+  :func:`dspark_jax.scheduling.threshold_proposal_len`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from dspark_jax.evaluation.trace import AcceptanceTrace
-from dspark_jax.scheduling import threshold_lengths
+from dspark_jax.scheduling import threshold_proposal_len
 
 __all__ = [
     "DEFAULT_NUM_BINS",
@@ -288,7 +288,7 @@ def threshold_sweep(trace: AcceptanceTrace,
                     thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> ThresholdSweep:
     """What a static threshold on the per-step confidence would have verified (paper Fig. 5).
 
-    For each threshold ``t`` every round verifies ``length = threshold_lengths(c, t)`` drafts
+    For each threshold ``t`` every round verifies ``length = threshold_proposal_len(c, t)`` drafts
     (the prefix before the first ``c_k < t``; the whole block when ``t <= 0``), computed by the
     engine's own policy on ``c = jax.nn.sigmoid(z)`` in float32; of those,
     ``min(num_accepted, length)`` are accepted and the rest rejected.  Valid because the trace
@@ -302,7 +302,7 @@ def threshold_sweep(trace: AcceptanceTrace,
     if t.ndim != 1 or t.size == 0:
         raise ValueError(f"thresholds must be a non-empty 1-D sequence, got shape {t.shape}")
     confidences = jax.nn.sigmoid(trace.validate().confidence_logits)  # float32, as the engine
-    lengths = np.asarray(jax.vmap(threshold_lengths, in_axes=(None, 0))(confidences, t))
+    lengths = np.asarray(jax.vmap(threshold_proposal_len, in_axes=(None, 0))(confidences, t))
     accepted = np.minimum(trace.num_accepted[None, :], lengths).astype(np.int64)
     return ThresholdSweep(thresholds=np.asarray(thresholds, np.float64),
                           accepted=accepted.sum(axis=1),

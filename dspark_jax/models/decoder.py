@@ -66,7 +66,7 @@ class Decoder(nnx.Module):
     """Llama / Qwen2 / Qwen3 causal decoder."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg = cfg
+        self.config = cfg
         self.dtype = dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = stacked(lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r),
@@ -92,7 +92,7 @@ class Decoder(nnx.Module):
 
     def rope(self, positions: jax.Array):
         """int [B, T] -> (cos, sin) [B, T, D]."""
-        cfg = self.cfg
+        cfg = self.config
         inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                            cfg.max_position_embeddings)
         return rope_cos_sin(positions, inv_freq, scale)
@@ -121,7 +121,7 @@ class Decoder(nnx.Module):
         Returns:
           DecoderOutput(hidden [B, T, d], taps [B, T, m*d] or None, cache).
         """
-        num_layers = self.cfg.num_hidden_layers
+        num_layers = self.config.num_hidden_layers
         for layer_id in tap_layer_ids:
             if not -1 <= layer_id < num_layers:
                 raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")

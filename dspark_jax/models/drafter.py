@@ -1,6 +1,6 @@
 """The DSpark parallel drafting backbone (paper Eqs. 2-3, DSPARK_SPEC.md sections 3, 4, 7).
 
-``DrafterModel`` holds only the drafter's own parameters: the context projection (``fc``,
+``DSparkModel`` holds only the drafter's own parameters: the context projection (``fc``,
 ``hidden_norm``), the stacked draft decoder layers (the target family's
 :class:`~dspark_jax.models.decoder.DecoderLayer`, so Qwen3 drafters get q/k norms), the final
 ``norm``, an optional trained mask vector, the sequential head and the confidence head. The
@@ -12,10 +12,10 @@ A draft layer attends from the block to the concatenation of keys/values project
 context features (no input norm on them) and from the block itself; inside a block attention is
 bidirectional. Two entry points share one layer loop:
 
-* :meth:`DrafterModel.draft` (inference): new context features are projected, their K/V
+* :meth:`DSparkModel.draft` (inference): new context features are projected, their K/V
   (k_norm'd, RoPE'd) written into a draft KV cache at slot == position, and the block
   [anchor, MASK x (B - 1)] attends to cached slots < anchor position plus itself.
-* :meth:`DrafterModel.forward_train` (training, teacher forcing): N anchors per sequence at
+* :meth:`DSparkModel.forward_train` (training, teacher forcing): N anchors per sequence at
   once; block j sees context keys strictly before its anchor (same segment when packing) and
   only its own block.
 
@@ -126,18 +126,19 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array, num_anchors: int,
     return jnp.where(keep, anchors, 0), keep
 
 
-class DrafterModel(nnx.Module):
-    """The drafter's parameters and forward passes.
+class DSparkModel(nnx.Module):
+    """The drafter's network (DeepSpec's ``DSparkModel``; without heads, the DFlash baseline):
+    its parameters and forward passes. ``dspark_jax.drafter.Drafter`` binds it to a target.
 
     Args:
-      model_cfg: the draft layers' architecture, a target-style config (``model_config.py``) whose
-        ``num_hidden_layers`` is the number of draft layers.
-      cfg: the drafter config (``drafter_config.py``).
+      model_cfg: the draft layers' architecture, a target-style config (``model_config.py``)
+        whose ``num_hidden_layers`` is the number of draft layers; kept as ``.model_config``.
+      cfg: the drafter config (``drafter_config.py``); kept as ``.config``.
     """
 
     def __init__(self, model_cfg, cfg, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.model_cfg = model_cfg
-        self.cfg = cfg
+        self.model_config = model_cfg
+        self.config = cfg
         d = model_cfg.hidden_size
         self.fc = Linear(len(cfg.target_layer_ids) * d, d, names=("taps", "embed"), dtype=dtype,
                          rngs=rngs)
@@ -159,7 +160,7 @@ class DrafterModel(nnx.Module):
     @property
     def first_proposal_slot(self) -> int:
         """0 when the anchor slot predicts (DeepSpec), 1 when only mask slots do (z-lab DFlash)."""
-        return first_proposal_slot(self.cfg)
+        return first_proposal_slot(self.config)
 
     def context(self, taps: jax.Array) -> jax.Array:
         """Context features (Eq. 2): taps [..., m*d] -> hidden_norm(fc(taps)) [..., d]."""
@@ -167,7 +168,7 @@ class DrafterModel(nnx.Module):
 
     def rope(self, positions: jax.Array):
         """int [b, T] -> (cos, sin) [b, T, D] with the draft config's rope."""
-        cfg = self.model_cfg
+        cfg = self.model_config
         inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                            cfg.max_position_embeddings)
         return rope_cos_sin(positions, inv_freq, scale)
@@ -176,7 +177,7 @@ class DrafterModel(nnx.Module):
         """The mask-slot embedding [d]: the trained vector or the target's row mask_token_id."""
         if self.mask_embedding is not None:
             return self.mask_embedding[...]
-        return target.embed_tokens(jnp.asarray(self.cfg.mask_token_id))
+        return target.embed_tokens(jnp.asarray(self.config.mask_token_id))
 
     def block_embeddings(self, target: Decoder, anchor_tokens: jax.Array,
                          keep: jax.Array | None = None) -> jax.Array:
@@ -185,15 +186,15 @@ class DrafterModel(nnx.Module):
         mask = jnp.broadcast_to(self.mask_vector(target).astype(anchor.dtype), anchor.shape)
         if keep is not None:
             anchor = jnp.where(keep[..., None], anchor, mask)
-        rest = jnp.broadcast_to(mask[..., None, :], anchor.shape[:-1] + (self.cfg.block_size - 1,
+        rest = jnp.broadcast_to(mask[..., None, :], anchor.shape[:-1] + (self.config.block_size - 1,
                                                                          anchor.shape[-1]))
         return jnp.concatenate([anchor[..., None, :], rest], axis=-2)
 
     def init_cache(self, batch: int, slots: int, dtype=None) -> KVCache:
         """An empty draft context cache [num_layers, batch, K, slots, D]."""
-        cfg = self.model_cfg
+        cfg = self.model_config
         dtype = dtype or self.fc.kernel[...].dtype
-        return KVCache.zeros(self.cfg.num_layers, batch, slots, cfg.num_key_value_heads,
+        return KVCache.zeros(self.config.num_layers, batch, slots, cfg.num_key_value_heads,
                              cfg.head_dim, dtype)
 
     def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask, cache=None,
@@ -228,7 +229,7 @@ class DrafterModel(nnx.Module):
             k_block, v_block = attn.keys_values(x, cos, sin)
             out = attend_blockwise(attn.queries(x, cos, sin), k_ctx.astype(k_block.dtype),
                                    v_ctx.astype(v_block.dtype), mask.context, k_block, v_block,
-                                   mask.keep, block_size=self.cfg.block_size)
+                                   mask.keep, block_size=self.config.block_size)
             h = h + attn.output(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             return h, (k_cache, v_cache)
@@ -252,7 +253,7 @@ class DrafterModel(nnx.Module):
         if self.confidence_head is None:
             return None
         prev_embedding = (self.markov_head.prev_embedding(prev)
-                          if self.cfg.confidence_head_with_markov else None)
+                          if self.config.confidence_head_with_markov else None)
         return self.confidence_head(hidden, prev_embedding)
 
     # -- inference -----------------------------------------------------------------------------
@@ -277,13 +278,13 @@ class DrafterModel(nnx.Module):
           ``hidden[:, first_proposal_slot:]``; their base logits are ``target.logits(...)``.
         """
         b = anchor_tokens.shape[0]
-        block_positions = anchor_positions[:, None] + jnp.arange(self.cfg.block_size)[None, :]
+        block_positions = anchor_positions[:, None] + jnp.arange(self.config.block_size)[None, :]
         cos, sin = self.rope(block_positions)
         ctx_cos, ctx_sin = self.rope(ctx_positions)
         slots = jnp.arange(cache.num_slots)
         visible = slots[None, None, :] < anchor_positions[:, None, None]
-        visible = jnp.broadcast_to(visible, (b, self.cfg.block_size, cache.num_slots))
-        mask = BlockMask(visible, jnp.ones((b, self.cfg.block_size), bool))
+        visible = jnp.broadcast_to(visible, (b, self.config.block_size, cache.num_slots))
+        mask = BlockMask(visible, jnp.ones((b, self.config.block_size), bool))
         hidden, cache = self._run_layers(
             self.block_embeddings(target, anchor_tokens), cos=cos, sin=sin,
             ctx=self.context(ctx_taps), ctx_cos=ctx_cos, ctx_sin=ctx_sin, mask=mask, cache=cache,
@@ -312,7 +313,7 @@ class DrafterModel(nnx.Module):
           input_ids[anchor_j + k] for slots k >= 1 when ``anchor_predicts`` is False.
         """
         b, seq = input_ids.shape
-        num_blocks, block = anchors.shape[1], self.cfg.block_size
+        num_blocks, block = anchors.shape[1], self.config.block_size
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq), (b, seq))
         anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)

@@ -64,7 +64,7 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
     """
     num_rows, num_slots = cache.k.shape[1], cache.num_slots
-    num_layers = model.cfg.num_hidden_layers
+    num_layers = model.config.num_hidden_layers
     for layer_id in tap_layer_ids:
         if not -1 <= layer_id < num_layers:
             raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")

@@ -2,26 +2,26 @@
 
 from dspark_jax.scheduling.policies import (
     expected_throughput,
-    fixed_lengths,
-    full_block_lengths,
+    fixed_proposal_len,
+    full_block_proposal_len,
     global_search_capacity,
     prefix_schedule,
     production_schedule,
     survivals,
-    threshold_lengths,
+    threshold_proposal_len,
     throughput_curve,
     top_k_prefix_schedule,
 )
 
 __all__ = [
     "expected_throughput",
-    "fixed_lengths",
-    "full_block_lengths",
+    "fixed_proposal_len",
+    "full_block_proposal_len",
     "global_search_capacity",
     "prefix_schedule",
     "production_schedule",
     "survivals",
-    "threshold_lengths",
+    "threshold_proposal_len",
     "throughput_curve",
     "top_k_prefix_schedule",
 ]

@@ -1,7 +1,7 @@
 """Verification-length policies: how many draft tokens each request verifies.
 
-Every policy maps a batch of per-request draft confidences to integer verification
-lengths ``l_r in {0..gamma}`` (the number of draft tokens of request ``r`` that the
+Every policy maps a batch of per-request draft confidences to integer proposal lengths
+``proposal_len`` ``l_r in {0..gamma}`` (the number of draft tokens of request ``r`` that the
 target model verifies this round, on top of the always-present anchor token).
 
 Notation (spec section 9, paper Algorithm 1 / Appendix A / Sec. 5.2):
@@ -59,9 +59,9 @@ __all__ = [
     "global_search_capacity",
     "top_k_prefix_schedule",
     "production_schedule",
-    "fixed_lengths",
-    "full_block_lengths",
-    "threshold_lengths",
+    "fixed_proposal_len",
+    "full_block_proposal_len",
+    "threshold_proposal_len",
 ]
 
 
@@ -180,7 +180,7 @@ def throughput_curve(
 
 def expected_throughput(
     confidences: jax.Array,
-    lengths: jax.Array,
+    proposal_len: jax.Array,
     sps: jax.Array,
     active: Optional[jax.Array] = None,
 ) -> jax.Array:
@@ -188,7 +188,7 @@ def expected_throughput(
 
     Args:
       confidences: float ``[R, gamma]``.
-      lengths: int ``[R]`` in ``0..gamma`` (inactive rows are ignored).
+      proposal_len: int ``[R]`` in ``0..gamma`` (inactive rows are ignored).
       sps: float ``[Bmax + 1]``.
       active: optional bool ``[R]``.
 
@@ -198,10 +198,10 @@ def expected_throughput(
     a = survivals(confidences)
     num_requests, gamma = a.shape
     act = _active_mask(active, num_requests)
-    lengths = jnp.where(act, jnp.clip(jnp.asarray(lengths, jnp.int32), 0, gamma), 0)
-    take = jnp.arange(gamma)[None, :] < lengths[:, None]
+    proposal_len = jnp.where(act, jnp.clip(jnp.asarray(proposal_len, jnp.int32), 0, gamma), 0)
+    take = jnp.arange(gamma)[None, :] < proposal_len[:, None]
     tau = jnp.sum(act) + jnp.sum(jnp.where(take, a, 0.0))
-    batch = jnp.sum(act).astype(jnp.int32) + jnp.sum(lengths)
+    batch = jnp.sum(act).astype(jnp.int32) + jnp.sum(proposal_len)
     rate, in_table = _sps_lookup(jnp.asarray(sps), batch)
     return jnp.where(in_table, tau * rate, -jnp.inf)
 
@@ -235,7 +235,7 @@ def prefix_schedule(
       active: optional bool ``[R]``.
 
     Returns:
-      int32 ``[R]`` verification lengths (a prefix of each block; 0 for inactive rows).
+      int32 ``[R]`` proposal lengths (a prefix of each block; 0 for inactive rows).
     """
     valid, rank, theta = _ranked_curve(confidences, sps, active)  # Theta [N + 1]
     improves = theta[1:] > theta[:-1]  # along the path Theta_best == Theta[k-1]
@@ -283,7 +283,7 @@ def top_k_prefix_schedule(
       active: optional bool ``[R]``.
 
     Returns:
-      int32 ``[R]`` lengths with ``sum(lengths) == min(K, #positive candidates)``.
+      int32 ``[R]`` proposal lengths with ``sum(proposal_len) == min(K, #positive candidates)``.
     """
     _, valid, rank, _, _, _, _ = _ranked_candidates(confidences, active)
     count = jnp.maximum(jnp.asarray(capacity, jnp.int32), 0)
@@ -313,7 +313,7 @@ def production_schedule(
         (defaults to ``active``).
 
     Returns:
-      int32 ``[R]`` lengths.
+      int32 ``[R]`` proposal_len.
     """
     if lagged_active is None:
         lagged_active = active
@@ -324,7 +324,7 @@ def production_schedule(
 # ----------------------------------------------------------------------------- baselines
 
 
-def fixed_lengths(
+def fixed_proposal_len(
     num_requests: int, gamma: int, g, active: Optional[jax.Array] = None
 ) -> jax.Array:
     """Fixed verification length ``g`` for every request (``g = 1``: MTP-1 analogue).
@@ -343,14 +343,14 @@ def fixed_lengths(
     return jnp.where(act, g, 0).astype(jnp.int32)
 
 
-def full_block_lengths(
+def full_block_proposal_len(
     num_requests: int, gamma: int, active: Optional[jax.Array] = None
 ) -> jax.Array:
     """Full block: every active request verifies all ``gamma`` drafts. int32 ``[R]``."""
-    return fixed_lengths(num_requests, gamma, gamma, active)
+    return fixed_proposal_len(num_requests, gamma, gamma, active)
 
 
-def threshold_lengths(
+def threshold_proposal_len(
     confidences: jax.Array, threshold, active: Optional[jax.Array] = None
 ) -> jax.Array:
     """Static truncation (reference ``draft_ops._confident_prefix_length``).
@@ -372,6 +372,6 @@ def threshold_lengths(
     threshold = jnp.asarray(threshold, _float_dtype(c))
     passes = ~(c < threshold)  # NaN confidences pass, as in a Python `c < t` check
     prefix = jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=-1), axis=-1)
-    lengths = jnp.where(threshold <= 0, gamma, prefix)
+    proposal_len = jnp.where(threshold <= 0, gamma, prefix)
     act = _active_mask(active, num_requests)
-    return jnp.where(act, lengths, 0).astype(jnp.int32)
+    return jnp.where(act, proposal_len, 0).astype(jnp.int32)

@@ -1,7 +1,7 @@
 """Verification policies: how many draft tokens each request verifies this round.
 
-One interface for every policy: ``lengths = policy_lengths(policy, confidences, lagged, active,
-params)``, all inside the jitted decode loop. ``confidences`` are the per-step confidence
+One interface for every policy: ``proposal_len = policy_proposal_len(policy, confidences,
+lagged, active, params)``, all inside the jitted decode loop. ``confidences`` are the per-step confidence
 probabilities c_k = sigmoid(z_k) of the current block (1 when the drafter has no confidence
 head); c_k is computed before x_k is sampled from x_{k-1} and h_k, so cutting at k uses only
 information available before the tokens it cuts. ``lagged`` are the confidences of the block
@@ -69,7 +69,7 @@ def default_params(policy, batch: int, proposals: int, params: dict | None = Non
     return out
 
 
-def policy_lengths(policy: str | Callable, confidences, lagged, active, params: dict):
+def policy_proposal_len(policy: str | Callable, confidences, lagged, active, params: dict):
     """Draft tokens each row verifies: int32 [b] in 0..P (0 for inactive rows).
 
     Args:
@@ -81,15 +81,15 @@ def policy_lengths(policy: str | Callable, confidences, lagged, active, params: 
     """
     batch, proposals = confidences.shape
     if callable(policy):
-        lengths = policy(confidences, lagged, active, params)
+        proposal_len = policy(confidences, lagged, active, params)
     elif policy == "full":
-        lengths = scheduling.full_block_lengths(batch, proposals, active)
+        proposal_len = scheduling.full_block_proposal_len(batch, proposals, active)
     elif policy == "fixed":
-        lengths = scheduling.fixed_lengths(batch, proposals, params["gamma"], active)
+        proposal_len = scheduling.fixed_proposal_len(batch, proposals, params["gamma"], active)
     elif policy == "threshold":
-        lengths = scheduling.threshold_lengths(confidences, params["threshold"], active)
+        proposal_len = scheduling.threshold_proposal_len(confidences, params["threshold"], active)
     elif policy == "prefix":
-        lengths = scheduling.prefix_schedule(confidences, params["sps"], active)
+        proposal_len = scheduling.prefix_schedule(confidences, params["sps"], active)
     else:
-        lengths = scheduling.production_schedule(confidences, lagged, params["sps"], active)
-    return jnp.where(active, jnp.clip(lengths, 0, proposals), 0).astype(jnp.int32)
+        proposal_len = scheduling.production_schedule(confidences, lagged, params["sps"], active)
+    return jnp.where(active, jnp.clip(proposal_len, 0, proposals), 0).astype(jnp.int32)

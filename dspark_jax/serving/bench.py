@@ -1,4 +1,4 @@
-"""serve-bench: throughput and verification budget against concurrency, per policy (paper Fig. 8).
+"""serve-bench: throughput and proposal length against concurrency, per policy (paper Fig. 8).
 
 For each concurrency C an engine with C slots replays the same prompts closed-loop
 (``loadgen.closed_loop``) ``repeats`` times per policy. Policy specs:
@@ -11,8 +11,8 @@ For each concurrency C an engine with C slots replays the same prompts closed-lo
 * ``fixed-best``: every fixed G in 1..P, reporting the best aggregate throughput at each C.
 
 Reported per (policy, C): aggregate tokens/s (the median of ``repeats`` runs, with their range),
-tokens/s per user, mean verification budget per request per step, tau, mean forward tokens per
-step.
+tokens/s per user, mean proposal length (draft tokens verified) per request per step, tau,
+mean forward tokens per step.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
                 progress(f"C={users} run {repeat + 1}/{repeats} {policy} "
                          f"{params.get('gamma', params.get('threshold', ''))}: "
                          f"{result['tokens_per_s']:.1f} tok/s, tau {result['tau']:.2f}, "
-                         f"budget {result['mean_budget']:.2f}")
+                         f"proposal_len {result['mean_proposal_len']:.2f}")
         for spec, spec_runs in runs.items():
             results = [median_run(measured[_variant(policy, params)])
                        for policy, params in spec_runs]
@@ -140,7 +140,7 @@ COLUMNS = (("policy", "policy", "{}"), ("C", "concurrency", "{}"),
            ("tokens/s", "tokens_per_s", "{:.1f}"),
            ("runs (tokens/s)", "tokens_per_s_runs", _spread),
            ("tokens/s/user", "tokens_per_s_per_user", "{:.1f}"),
-           ("budget/req/step", "mean_budget", "{:.2f}"), ("tau", "tau", "{:.2f}"),
+           ("proposal_len/req/step", "mean_proposal_len", "{:.2f}"), ("tau", "tau", "{:.2f}"),
            ("B/step", "mean_verified_tokens", "{:.1f}"), ("gamma", "gamma", "{}"))
 
 
@@ -160,7 +160,8 @@ def markdown_table(result: dict) -> str:
 
 
 def plot_bench(result: dict, path: str | Path) -> Path:
-    """PNG: aggregate tokens/s, tokens/s per user and budget per request against concurrency."""
+    """PNG: aggregate tokens/s, tokens/s per user and proposal length per request against
+    concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,7 +170,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = (("tokens_per_s", "aggregate tokens/s"),
               ("tokens_per_s_per_user", "tokens/s per user"),
-              ("mean_budget", "verification budget / request / step"))
+              ("mean_proposal_len", "proposal length / request / step"))
     for spec in result["config"]["policies"]:
         rows = sorted((r for r in result["rows"] if r["policy"] == spec),
                       key=lambda r: r["concurrency"])

@@ -5,7 +5,7 @@
 round-robin. ``closed_loop`` replays
 prompts at a concurrency C: C users each send their next prompt as soon as their previous one
 finished, until the prompts run out. It reports aggregate and per-user throughput, the mean
-verification budget per request per step and tau.
+proposal length per request per step and tau.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class LoadResult:
     steps: int
     tokens_per_s: float  # all users' new tokens / wall time
     tokens_per_s_per_user: float  # mean over requests of new tokens / (finish - submission)
-    mean_budget: float  # draft tokens verified per request per step
+    mean_proposal_len: float  # draft tokens verified per request per step
     tau: float  # emitted tokens per request per step (spec section 7)
     mean_verified_tokens: float  # forward tokens B per step
     bucket_counts: dict
@@ -94,7 +94,8 @@ def closed_loop(engine, prompts: Sequence[Sequence[int]], *, concurrency: int, m
         concurrency=concurrency, requests=len(done), new_tokens=new_tokens, wall_s=wall,
         steps=engine.steps, tokens_per_s=new_tokens / wall,
         tokens_per_s_per_user=sum(per_user) / len(per_user),
-        mean_budget=sum(r.counters["proposed"] for r in done) / rounds if rounds else 0.0,
+        mean_proposal_len=(sum(r.counters["proposal_len_sum"] for r in done) / rounds
+                           if rounds else 0.0),
         tau=sum(r.counters["tau_sum"] for r in done) / rounds if rounds else 0.0,
         mean_verified_tokens=engine.verified_tokens / engine.steps if engine.steps else 0.0,
         bucket_counts=dict(sorted(engine.bucket_counts.items())))

@@ -1,7 +1,7 @@
 """The server's ``GET /metrics``: Prometheus text exposition (format 0.0.4) of a worker.
 
 Counters are totals since the server started; the speculative ones (tau, acceptance by
-position, verify budget) are over finished requests, from their summed engine counters
+position, proposal length) are over finished requests, from their summed engine counters
 (``engine.stats.stats_from_counters``).
 """
 
@@ -45,12 +45,12 @@ def render(worker, model: str) -> str:
     policy = engine.policy if isinstance(engine.policy, str) else getattr(engine.policy, "__name__",
                                                                          "custom")
     _metric(lines, "info", "gauge", "The served model, verification policy and drafts per block.",
-            [({"model": model, "policy": policy, "proposals": engine.proposals}, 1)])
+            [({"model": model, "policy": policy, "proposals": engine.num_proposals}, 1)])
     if c.speculative:
         s = stats_from_counters(c.speculative)
         m("tau", "gauge", "Tokens per target forward per request (finished requests).",
           s["tau"] or 0.0)
-        m("verify_budget", "gauge", "Drafts verified per request per step (finished requests).",
+        m("proposal_len", "gauge", "Draft tokens verified per request per step (finished requests).",
           s["proposal_len"] or 0.0)
         _metric(lines, "acceptance_rate", "gauge",
                 "Rounds accepting position k among rounds verifying it (finished requests).",

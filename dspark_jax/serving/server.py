@@ -3,7 +3,7 @@
 The server is an online client of the engine, as ``generate`` is an offline one: FastAPI
 handlers (the event loop) validate a request, template and tokenize it, and hand it to the
 :class:`~dspark_jax.serving.worker.EngineWorker`, whose thread runs continuous batching with
-the scheduler choosing each round's verify budgets. Deltas come back per engine step and are
+the scheduler choosing each round's proposal lengths. Deltas come back per engine step and are
 streamed as server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) or joined into
 one response.
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from dspark_jax.models.decoder import Decoder
-from dspark_jax.models.drafter import DrafterModel, TrainOutput
+from dspark_jax.models.drafter import DSparkModel, TrainOutput
 from dspark_jax.models.heads import block_latents
 
 EPS = 1e-6
@@ -144,7 +144,7 @@ def _vocab_loss_bwd(grads, cotangents):
 vocab_loss.defvjp(_vocab_loss_fwd, _vocab_loss_bwd)
 
 
-def chunked_vocab_terms(drafter: DrafterModel, target: Decoder, out: TrainOutput,
+def chunked_vocab_terms(drafter: DSparkModel, target: Decoder, out: TrainOutput,
                         target_hidden: jax.Array, anchors: jax.Array, c_ce: jax.Array,
                         c_l1: jax.Array, anchor_chunk: int = DEFAULT_ANCHOR_CHUNK):
     """:func:`vocab_loss` over every block, ``anchor_chunk`` anchors at a time.
@@ -163,13 +163,13 @@ def chunked_vocab_terms(drafter: DrafterModel, target: Decoder, out: TrainOutput
     """
     n = anchors.shape[1]
     chunk = max(1, min(anchor_chunk, n))
-    index = target_slot_index(anchors, drafter.cfg.block_size, drafter.first_proposal_slot,
+    index = target_slot_index(anchors, drafter.config.block_size, drafter.first_proposal_slot,
                               target_hidden.shape[1])
     head = drafter.markov_head
     latent = (block_latents(head, out.prev, out.hidden) if head is not None
               else jnp.zeros(out.hidden.shape[:-1] + (0,), out.hidden.dtype))
     w2 = (head.markov_w2.kernel[...] if head is not None
-          else jnp.zeros((0, drafter.model_cfg.vocab_size), out.hidden.dtype))
+          else jnp.zeros((0, drafter.model_config.vocab_size), out.hidden.dtype))
     lm_head = target.lm_head_matrix()
 
     def terms(xs):
@@ -246,7 +246,7 @@ def reduce_terms(ce: jax.Array, l1: jax.Array, confidence: jax.Array | None, eva
         confidence_error=conf_error)
 
 
-def loss_sums(drafter: DrafterModel, target: Decoder, out: TrainOutput, target_hidden: jax.Array,
+def loss_sums(drafter: DSparkModel, target: Decoder, out: TrainOutput, target_hidden: jax.Array,
               anchors: jax.Array, *, loss_decay_gamma: float | None, ce_alpha: float,
               l1_alpha: float, anchor_chunk: int = DEFAULT_ANCHOR_CHUNK) -> dict[str, jax.Array]:
     """The loss sums of one batch (see :func:`reduce_terms`); ``vocab`` carries the gradient of

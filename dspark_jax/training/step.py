@@ -73,7 +73,7 @@ def batch_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...],
     has them, else :func:`target_features`."""
     if "taps" not in batch:
         return target_features(target, batch, tap_layer_ids)
-    d = target.cfg.hidden_size
+    d = target.config.hidden_size
     if batch["taps"].shape[-1] != len(tap_layer_ids) * d or batch["hidden"].shape[-1] != d:
         raise ValueError(f"cached features of widths {batch['taps'].shape[-1]} (taps) and "
                          f"{batch['hidden'].shape[-1]} (hidden) do not fit {len(tap_layer_ids)} "
@@ -96,7 +96,7 @@ def loss_sums_fn(drafter_params: nnx.State, drafter_graphdef, target_graphdef,
     batch = jax.tree.map(jnp.asarray, batch)
     drafter = nnx.merge(drafter_graphdef, cast_floats(drafter_params, compute_dtype))
     target = nnx.merge(target_graphdef, cast_floats(target_state, compute_dtype))
-    taps, hidden = batch_features(target, batch, drafter.cfg.target_layer_ids, compute_dtype)
+    taps, hidden = batch_features(target, batch, drafter.config.target_layer_ids, compute_dtype)
     out = drafter.forward_train(
         target, input_ids=batch["input_ids"], taps=taps, anchors=batch["anchors"],
         keep=batch["keep"], loss_mask=batch["loss_mask"], positions=batch["positions"],

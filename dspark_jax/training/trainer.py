@@ -265,5 +265,5 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
     params = jax.tree.map(lambda p: p.astype(drafter.dtype), state.params)
     trained = Drafter(drafter.config, drafter.model_config, params, drafter.graphdef, target)
     if jax.process_index() == 0:
-        trained.save(workdir / "drafter", layout="deepspec", num_anchors=train_cfg.num_anchors)
+        trained.save(workdir / "drafter", layout="deepspec", num_anchors=tcfg.num_anchors)
     return trained

@@ -68,7 +68,7 @@ def _law_tables(seed, markov, temp_p, temp_q, top_p, top_k):
 
 
 def _draft_batch(P, Q):
-    """One row per (num_draft n, draft sequence x of positive probability).
+    """One row per (proposal_len n, draft sequence x of positive probability).
 
     Padding positions k >= n draft the target argmax t from the row 0.5 p + 0.5 delta_{t+1}, so
     their acceptance probability is 1 (they would be accepted if they were not masked) while the
@@ -242,7 +242,7 @@ def test_greedy_accepts_matching_prefix():
     rng = np.random.default_rng(0)
     target_tok = rng.integers(0, V, size=(B, K + 1))
     match = np.array([0, 1, 2, 3, 4, 0, 2, 4, 3, 1])  # length of the matching draft prefix
-    num_draft = np.array([4, 4, 4, 4, 4, 0, 1, 3, 2, 4], np.int32)
+    proposal_len = np.array([4, 4, 4, 4, 4, 0, 1, 3, 2, 4], np.int32)
     draft_tok = rng.integers(0, V, size=(B, K))
     for b in range(B):
         draft_tok[b, : match[b]] = target_tok[b, : match[b]]
@@ -254,11 +254,11 @@ def test_greedy_accepts_matching_prefix():
     q = sampling_probs(jnp.asarray(rng.normal(size=(B, K, V)) + one_hot(draft_tok)), 0.0)
     np.testing.assert_array_equal(np.asarray(jnp.argmax(q, -1)), draft_tok)
 
-    expected_acc = np.minimum(match, num_draft)
+    expected_acc = np.minimum(match, proposal_len)
     expected_next = target_tok[np.arange(B), expected_acc]
     keys = jax.random.split(jax.random.key(1), 8)
     run = jax.jit(jax.vmap(rejection_sample, in_axes=(0, None, None, None, None)))
-    out = run(keys, jnp.asarray(draft_tok, jnp.int32), q, p, jnp.asarray(num_draft))
+    out = run(keys, jnp.asarray(draft_tok, jnp.int32), q, p, jnp.asarray(proposal_len))
     for s in range(len(keys)):
         np.testing.assert_array_equal(np.asarray(out.num_accepted[s]), expected_acc)
         np.testing.assert_array_equal(np.asarray(out.next_token[s]), expected_next)
@@ -270,9 +270,9 @@ def test_greedy_accepts_matching_prefix():
     greedy = jnp.zeros((B,)), jnp.ones((B,)), jnp.zeros((B,), jnp.int32)
     for verdict in (greedy_verify(jnp.asarray(draft_tok, jnp.int32),
                                   jnp.argmax(target_logits, -1).astype(jnp.int32),
-                                  jnp.asarray(num_draft)),
+                                  jnp.asarray(proposal_len)),
                     jax.jit(verify_logits)(keys[0], jnp.asarray(draft_tok, jnp.int32), q,
-                                           target_logits, jnp.asarray(num_draft), *greedy)):
+                                           target_logits, jnp.asarray(proposal_len), *greedy)):
         np.testing.assert_array_equal(np.asarray(verdict.num_accepted), expected_acc)
         np.testing.assert_array_equal(np.asarray(verdict.next_token), expected_next)
         np.testing.assert_array_equal(np.asarray(verdict.accepted_mask),
@@ -345,7 +345,7 @@ def test_sampling_statistic_rejects_broken_sampler():
 
 
 # --------------------------------------------------------------------------------------------
-# 4. num_draft = 0 and padding.
+# 4. proposal_len = 0 and padding.
 
 
 def test_num_draft_zero_and_padding_never_accepted():
@@ -356,27 +356,27 @@ def test_num_draft_zero_and_padding_never_accepted():
     # q = 0.5 p + 0.5 delta_{t+1} (ratio 2), whose residual max(p - q, 0) differs from p.
     tokens = np.argmax(p[:, :K], -1).astype(np.int32)
     q = 0.5 * p[:, :K] + 0.5 * np.eye(V, dtype=np.float32)[(tokens + 1) % V]
-    num_draft = np.array([0, 0, 2, 3], np.int32)
+    proposal_len = np.array([0, 0, 2, 3], np.int32)
     a = np.asarray(_acceptance(tokens, q, p))
     np.testing.assert_array_equal(a, np.ones((B, K)))
 
-    d = _verify(jnp.zeros((B, K)), tokens, q, p, num_draft)
-    np.testing.assert_array_equal(np.asarray(d.num_accepted), num_draft)
-    np.testing.assert_allclose(np.asarray(d.next_probs), p[np.arange(B), num_draft], rtol=1e-6)
+    d = _verify(jnp.zeros((B, K)), tokens, q, p, proposal_len)
+    np.testing.assert_array_equal(np.asarray(d.num_accepted), proposal_len)
+    np.testing.assert_allclose(np.asarray(d.next_probs), p[np.arange(B), proposal_len], rtol=1e-6)
 
     n_keys = 4000
     keys = jax.random.split(jax.random.key(5), n_keys)
     run = jax.jit(jax.vmap(rejection_sample, in_axes=(0, None, None, None, None)))
-    out = run(keys, jnp.asarray(tokens), jnp.asarray(q), jnp.asarray(p), jnp.asarray(num_draft))
+    out = run(keys, jnp.asarray(tokens), jnp.asarray(q), jnp.asarray(p), jnp.asarray(proposal_len))
     acc = np.asarray(out.num_accepted)
-    np.testing.assert_array_equal(acc, np.broadcast_to(num_draft, acc.shape))
+    np.testing.assert_array_equal(acc, np.broadcast_to(proposal_len, acc.shape))
     np.testing.assert_array_equal(
         np.asarray(out.accepted_mask),
-        np.broadcast_to(np.arange(K)[None] < num_draft[:, None], (n_keys, B, K)),
+        np.broadcast_to(np.arange(K)[None] < proposal_len[:, None], (n_keys, B, K)),
     )
     nxt = np.asarray(out.next_token)
     for b in range(B):
-        stat, df = _chi2(np.bincount(nxt[:, b], minlength=V), p[b, num_draft[b]])
+        stat, df = _chi2(np.bincount(nxt[:, b], minlength=V), p[b, proposal_len[b]])
         assert stat < _CHI2_999[df], (b, stat)
 
 
@@ -398,8 +398,8 @@ def test_compiles_once_per_shape():
         p = sampling_probs(jnp.asarray(rng.normal(size=(B, K + 1, V)), jnp.float32), 0.5 + i)
         q = sampling_probs(jnp.asarray(rng.normal(size=(B, K, V)), jnp.float32), 0.5 + i)
         tokens = jnp.asarray(rng.integers(0, V, size=(B, K)), jnp.int32)
-        num_draft = jnp.asarray(rng.integers(0, K + 1, size=B), jnp.int32)
-        out = fn(jax.random.key(i), tokens, q, p, num_draft)
+        proposal_len = jnp.asarray(rng.integers(0, K + 1, size=B), jnp.int32)
+        out = fn(jax.random.key(i), tokens, q, p, proposal_len)
         assert out.num_accepted.dtype == jnp.int32 and out.next_token.dtype == jnp.int32
         assert out.accepted_mask.dtype == jnp.bool_ and out.accepted_mask.shape == (B, K)
     assert len(traces) == 1

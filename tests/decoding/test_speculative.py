@@ -2,7 +2,6 @@
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -79,10 +78,10 @@ def test_statistics_are_consistent(qwen3):
         assert s["rounds"] >= 1 and s["tau"] == pytest.approx(c["tau_sum"] / c["rounds"])
         # Every emitted token after the first comes from a round; the last round may be cut.
         assert r.stats["new_tokens"] - 1 <= c["tau_sum"] <= r.stats["new_tokens"] - 1 + 8
-        assert c["accepted"] <= c["proposed"]
-        assert all(a <= p for a, p in zip(c["accepted_ge"], c["proposed_ge"]))
+        assert c["accepted"] <= c["proposal_len_sum"]
+        assert all(a <= p for a, p in zip(c["accepted_ge"], c["proposal_len_ge"]))
         assert all(x >= y for x, y in zip(c["accepted_ge"], c["accepted_ge"][1:]))
-        assert s["verify_rate"] == pytest.approx(c["accepted"] / (c["proposed"] + c["rounds"]))
+        assert s["verify_rate"] == pytest.approx(c["accepted"] / (c["proposal_len_sum"] + c["rounds"]))
         rates = [x for x in s["accept_rate_at_k"] if x is not None]
         assert all(0 <= x <= 1 for x in rates)
 
@@ -108,7 +107,7 @@ def test_compiles_once_and_traces_each_bucket_once(qwen3, monkeypatch):
         assert (res[0].stats["compile_s"] > 0) == (i == 0)
         for r in res:
             # rounds verifying >= k drafts, k = 0..7; a drop from k to k+1 means length k occurred
-            at_least = [r.stats["rounds"]] + r.stats["counters"]["proposed_ge"] + [0]
+            at_least = [r.stats["rounds"]] + r.stats["counters"]["proposal_len_ge"] + [0]
             lengths |= {k for k in range(8) if at_least[k] > at_least[k + 1]}
     assert len(lengths) >= 3  # the runs really verified several different lengths
     buckets = engine.token_buckets(len(PROMPTS), drafter.num_proposals)
@@ -116,12 +115,12 @@ def test_compiles_once_and_traces_each_bucket_once(qwen3, monkeypatch):
     assert sorted(widths) == sorted(buckets + (32,))  # one trace per verify bucket, one prefill
 
 
-def _broken_rejection(key, draft_tokens, draft_probs, target_probs, num_draft):
+def _broken_rejection(key, draft_tokens, draft_probs, target_probs, proposal_len):
     """Accepts x_k when it equals a fresh sample of p_k: NOT the target law."""
     k1, k2 = split_key(key)  # one key per request
     size = draft_tokens.shape[1]
     samples = sample_from_probs(k1, target_probs[:, :size])
-    ok = (samples == draft_tokens) & (jnp.arange(size)[None] < num_draft[:, None])
+    ok = (samples == draft_tokens) & (jnp.arange(size)[None] < proposal_len[:, None])
     accepted = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
     nxt = sample_from_probs(k2, target_probs[jnp.arange(draft_tokens.shape[0]), accepted])
     return rejection.VerifyResult(accepted, nxt, jnp.arange(size)[None] < accepted[:, None])
@@ -136,7 +135,7 @@ def _law_chi2(target, drafter, n, verify="full", params=None, positions=(0, 1, 2
     counters = sum_counters([r.stats["counters"] for r in res])
     return (*law.chi_square([[r.token_ids[i] for i in positions] for r in res],
                             law.marginal_law(target, positions)),
-            counters["proposed"] / counters["rounds"])
+            counters["proposal_len_sum"] / counters["rounds"])
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +178,8 @@ def test_prefix_scores_the_flat_verify_it_runs():
     res = dspark_jax.generate(target, [law.PROMPT] * 4, max_new_tokens=24, temperature=1.0,
                               seed=1, drafter=drafter, verify="prefix",
                               verify_params={"sps": [1.0] * 9 + [0.5] * 8}, record=True)
-    rounds = min(len(r.trace["num_verified"]) for r in res)
-    verified = np.stack([r.trace["num_verified"][:rounds] for r in res])  # [4, rounds]
+    rounds = min(len(r.trace["proposal_len"]) for r in res)
+    verified = np.stack([r.trace["proposal_len"][:rounds] for r in res])  # [4, rounds]
     assert (4 + verified.sum(axis=0)).max() <= 8, verified  # all four joined at once
     assert verified.max() >= 2, verified
 

@@ -33,7 +33,7 @@ def test_trace_matches_the_counters(pair):
         assert a.token_ids == r.token_ids and a.trace is None
         t, c = r.trace, r.stats["counters"]
         assert t["confidence_logits"].shape == (c["rounds"], proposals)
-        assert np.all(t["num_verified"] == proposals)  # full verification
+        assert np.all(t["proposal_len"] == proposals)  # full verification
         assert int(t["num_accepted"].sum()) == c["accepted"]
         assert [int((t["num_accepted"] >= k).sum()) for k in range(1, proposals + 1)] \
             == c["accepted_ge"]
@@ -57,7 +57,7 @@ def test_temperatures_change_what_a_threshold_policy_verifies(pair):
     drafter.confidence_temperatures = None
     ar = dspark_jax.generate(target, PROMPTS[:1], max_new_tokens=12)[0].token_ids
     assert runs[True].token_ids == runs[False].token_ids == ar
-    assert runs[True].trace["num_verified"][0] != runs[False].trace["num_verified"][0]
+    assert runs[True].trace["proposal_len"][0] != runs[False].trace["proposal_len"][0]
 
 
 def test_calibration_is_saved_and_loaded_with_the_drafter(pair, tmp_path):

@@ -16,7 +16,7 @@ from dspark_jax.evaluation import (
     expected_calibration_error,
     threshold_sweep,
 )
-from dspark_jax.scheduling import threshold_lengths
+from dspark_jax.scheduling import threshold_proposal_len
 
 # Six rounds of a P = 2 block.  Per-step confidences c (logits are logit(c)) and accepted counts:
 #   round  c0    c1   cumulative (c0, c0*c1)  accepted  labels
@@ -108,7 +108,7 @@ def test_threshold_sweep_matches_engine_policy():
     trace = AcceptanceTrace.create(logits, rng.integers(0, 8, 50))
     c = 1 / (1 + np.exp(-logits.astype(np.float64)))
     for t in (0.0, 0.3, 0.7):
-        lengths = np.asarray(threshold_lengths(c.astype(np.float32), t))
+        lengths = np.asarray(threshold_proposal_len(c.astype(np.float32), t))
         sweep = threshold_sweep(trace, [t])
         assert sweep.verified[0] == lengths.sum()
         assert sweep.accepted[0] == np.minimum(trace.num_accepted, lengths).sum()

@@ -21,7 +21,7 @@ def test_ragged_forward_matches_batched_decoder():
     counts = np.array([3, 0, 4])
     history = rng.integers(0, 48, (rows, slots))
     new = rng.integers(0, 48, (rows, width))
-    cfg = model.cfg
+    cfg = model.config
     cache = KVCache.zeros(cfg.num_hidden_layers, rows, slots, cfg.num_key_value_heads, cfg.head_dim,
                           jnp.float32)
     # Fill each row's history with a plain prefill; the batched reference then extends it.

@@ -11,13 +11,13 @@ import numpy as np
 
 from dspark_jax.scheduling import (
     expected_throughput,
-    fixed_lengths,
-    full_block_lengths,
+    fixed_proposal_len,
+    full_block_proposal_len,
     global_search_capacity,
     prefix_schedule,
     production_schedule,
     survivals,
-    threshold_lengths,
+    threshold_proposal_len,
     throughput_curve,
     top_k_prefix_schedule,
 )
@@ -371,7 +371,7 @@ def test_threshold_lengths_matches_python_loop():
     thresholds = np.concatenate(
         [np.array([0.0, -0.3, 0.5, 1.0, 1.5]), rng.uniform(size=35)]
     ).astype(np.float32)
-    got = np.asarray(jax.jit(jax.vmap(threshold_lengths))(c, thresholds))
+    got = np.asarray(jax.jit(jax.vmap(threshold_proposal_len))(c, thresholds))
     for i in range(len(thresholds)):
         assert list(got[i]) == _threshold_ref(c[i], float(thresholds[i])), i
     assert (got[0] == gamma).all() and (got[1] == gamma).all()  # threshold <= 0: full block
@@ -379,11 +379,11 @@ def test_threshold_lengths_matches_python_loop():
 
 
 def test_fixed_and_full_block_baselines():
-    np.testing.assert_array_equal(fixed_lengths(3, 4, 1), [1, 1, 1])  # MTP-1 analogue
-    np.testing.assert_array_equal(fixed_lengths(3, 4, 9), [4, 4, 4])  # clipped to gamma
-    np.testing.assert_array_equal(full_block_lengths(2, 7), [7, 7])
+    np.testing.assert_array_equal(fixed_proposal_len(3, 4, 1), [1, 1, 1])  # MTP-1 analogue
+    np.testing.assert_array_equal(fixed_proposal_len(3, 4, 9), [4, 4, 4])  # clipped to gamma
+    np.testing.assert_array_equal(full_block_proposal_len(2, 7), [7, 7])
     np.testing.assert_array_equal(
-        full_block_lengths(3, 5, active=jnp.array([True, False, True])), [5, 0, 5]
+        full_block_proposal_len(3, 5, active=jnp.array([True, False, True])), [5, 0, 5]
     )
 
 
@@ -399,8 +399,8 @@ def test_jit_with_traced_arguments_and_active_masks():
     j_cap = jax.jit(global_search_capacity)
     j_topk = jax.jit(top_k_prefix_schedule)
     j_prod = jax.jit(production_schedule)
-    j_thr = jax.jit(threshold_lengths)
-    j_fixed = jax.jit(fixed_lengths, static_argnums=(0, 1))
+    j_thr = jax.jit(threshold_proposal_len)
+    j_fixed = jax.jit(fixed_proposal_len, static_argnums=(0, 1))
     j_theta = jax.jit(expected_throughput)
 
     # Row 1 inactive: B starts at 1 (Theta 1 -> 1.9 -> 1.31): lengths [1, 0].  Counting the

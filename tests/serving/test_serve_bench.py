@@ -54,9 +54,9 @@ def test_serve_bench_smoke(tmp_path, monkeypatch):
         assert row["concurrency"] == 2 and row["requests"] == len(prompts)
         assert len(prompts) <= row["new_tokens"] <= 6 * len(prompts)
         assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_user"] > 0
-        assert 0 <= row["mean_budget"] <= 3 and 1 <= row["tau"] <= 4
+        assert 0 <= row["mean_proposal_len"] <= 3 and 1 <= row["tau"] <= 4
         assert set(row["bucket_counts"]) <= {4, 8}
-    assert fixed["mean_budget"] == fixed["gamma"]
+    assert fixed["mean_proposal_len"] == fixed["gamma"]
     # The steps/s profile covers every token bucket of the 2-slot engine and is cached.
     profile = sps.SPSProfile.from_json(result["sps"][2])
     assert profile.grid == [4, 8] and all(len(s) == 2 for s in profile.samples)

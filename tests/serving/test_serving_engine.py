@@ -87,15 +87,15 @@ def test_greedy_equals_autoregressive_for_every_policy(engine, ar_reference, pol
     for r in requests:
         c = r.counters
         assert r.done and c["rounds"] >= 1 and r.tau >= 1.0
-        assert c["accepted"] <= c["proposed"]
+        assert c["accepted"] <= c["proposal_len_sum"]
         # Every token after the first comes from a round; the last round may be cut.
-        assert len(r.tokens) - 1 <= c["tau_sum"] <= len(r.tokens) - 1 + engine.proposals
+        assert len(r.tokens) - 1 <= c["tau_sum"] <= len(r.tokens) - 1 + engine.num_proposals
     # Forward tokens per step = active requests + verified drafts, never above the top bucket.
-    assert engine.verified_tokens == engine.active_slot_steps + sum(r.counters["proposed"]
+    assert engine.verified_tokens == engine.active_slot_steps + sum(r.counters["proposal_len_sum"]
                                                                     for r in requests)
     assert set(engine.bucket_counts) <= set(engine.buckets)
     if policy == "fixed":
-        assert all(r.counters["proposed"] == 2 * r.counters["rounds"] for r in requests)
+        assert all(r.counters["proposal_len_sum"] == 2 * r.counters["rounds"] for r in requests)
 
 
 def test_mixed_sampling_settings_keep_greedy_requests_exact(engine, ar_reference):

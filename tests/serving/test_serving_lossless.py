@@ -35,7 +35,7 @@ def test_production_scheduler_is_lossless():
     # 5 tokens: requests of every age share a step, so young ones (whose own blocks add nothing
     # to the capacity) get budget sized by older ones.
     requests = _serve(engine, n, 5)
-    budgets = (sum(r.counters["proposed"] for r in requests)
+    budgets = (sum(r.counters["proposal_len_sum"] for r in requests)
                / sum(r.counters["rounds"] for r in requests))
     assert 0.1 < budgets < 2.7, budgets  # neither nothing nor everything was verified
     for positions in ((0, 1, 2), (3, 4)):
