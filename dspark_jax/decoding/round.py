@@ -117,8 +117,8 @@ class Slots:
 
 @struct.dataclass
 class Caches:
-    target: KVCache  # k/v [L, S, K, N, D]
-    drafter: KVCache | None  # k/v [L_draft, S, K, N, D]; None without a drafter
+    target: KVCache  # keys [L, S, K, D, N], values [L, S, K, N, D]
+    drafter: KVCache | None  # the same layout over L_draft layers; None without a drafter
 
 
 def laid_out(slots: Slots, caches: Caches) -> tuple[Slots, Caches]:
@@ -292,8 +292,8 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
 
 
 def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: jax.Array,
-                 eos_ids: jax.Array, temperatures: jax.Array, *, buckets: tuple[int, ...]
-                 ) -> tuple[Slots, Caches, RoundOutput]:
+                 eos_ids: jax.Array, temperatures: jax.Array, *, buckets: tuple[int, ...],
+                 view: int | None = None) -> tuple[Slots, Caches, RoundOutput]:
     """One verify + emit + draft round over every slot.
 
     Args:
@@ -301,6 +301,8 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: ja
       proposal_len: int32 [S] drafts each slot verifies (0 for free slots; the scheduler's choice).
       temperatures: float32 [P] the drafter's STS temperatures.
       buckets: static sorted flat token counts of the verify forward, the last one S * Q.
+      view: static cache slots the verify attention reads (``ragged_forward``); every active
+        slot's anchor_pos must be at most ``view`` (None: all).
     """
     num_slots, proposals = slots.block_tokens.shape
     width = proposals + 1
@@ -331,7 +333,8 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: ja
                 tokens = verify_tokens.reshape(-1)
                 positions = (anchor_pos[:, None] + jnp.arange(width)).reshape(-1)
             o = ragged_forward(target, tokens[:size], positions[:size], rows[:size], cols[:size],
-                               anchor_pos, t_cache, width=width, tap_layer_ids=taps, dense=dense)
+                               anchor_pos, t_cache, width=width, tap_layer_ids=taps, dense=dense,
+                               view=view)
             logits = target.logits(o.hidden)  # [size, V]
             at = (rows[:size], cols[:size])
 

@@ -46,6 +46,8 @@ from dspark_jax.scheduling import verification
 MAX_ROUNDS_PER_CALL = 1 << 20
 # Compiled programs kept per process (least recently used dropped first); see the module doc.
 MAX_PROGRAMS = 32
+# The narrowest cache view of a run of rounds (cache_view).
+MIN_VIEW = 128
 
 
 def sampling_mode(temperature: float, top_p: float, top_k: int) -> str:
@@ -91,6 +93,18 @@ class Request:
     @property
     def tau(self) -> float | None:
         return self.stats["tau"] if self.counters else None
+
+
+def cache_view(length: int, max_len: int) -> int:
+    """Cache slots a run of rounds reads while every committed length is at most ``length``:
+    the power of two >= ``length``, at least :data:`MIN_VIEW`, at most ``max_len``.
+
+    The verify attention of a round reads the view, not the whole cache (a row's tokens never
+    see slots past its committed length), so rows holding 200 tokens of a 736-slot cache read
+    256 slots each; the run stops when a row outgrows its view, and the host continues it with
+    the next one. Powers of two keep the number of programs per engine logarithmic.
+    """
+    return min(max_len, max(MIN_VIEW, 1 << max(0, length - 1).bit_length()))
 
 
 def token_buckets(slots: int, proposals: int,
@@ -276,7 +290,8 @@ class Engine:
 
     @property
     def program_keys(self) -> list[tuple]:
-        """The programs this engine has run: ("rounds", buckets, policy, SPS table length) and
+        """The programs this engine has run: ("rounds", buckets, policy, SPS table length, cache
+        view) and
         ("admit", admitted rows, prompt width, flat tokens); each is compiled once per process."""
         return sorted(self._used, key=repr)
 
@@ -324,20 +339,28 @@ class Engine:
         self._used.add(key)
         return program
 
-    def _rounds_program(self, policy, policy_params, eos_ids):
-        """(program key, args, static args) of a run of rounds under ``policy``."""
+    def _rounds_program(self, policy, policy_params, eos_ids, view: int):
+        """(program key, args, static args) of a run of rounds under ``policy`` reading ``view``
+        cache slots."""
         args = self._models() + (self._slots, self._caches, eos_ids, policy_params,
                                  jnp.int32(1), jnp.bool_(False))
         key = ("rounds", self.buckets, policy if self.drafter is not None else None,
-               policy_params["sps"].shape[0])
-        return key, args, dict(buckets=self.buckets, policy=policy)
+               policy_params["sps"].shape[0], view)
+        return key, args, dict(buckets=self.buckets, policy=policy, view=view)
+
+    def _view(self) -> int:
+        """The cache view of the running requests: each has committed its prompt, its tokens
+        harvested so far and at most one more (sampled by its admission, not harvested yet)."""
+        longest = max(len(r.prompt) + len(r.tokens) + 1 for r in self._running.values())
+        return cache_view(longest, self.max_len)
 
     def _run_rounds(self, limit: int, stop_on_finish: bool, policy=None, policy_params=None,
-                    eos_ids=None) -> step_lib.RunSummary:
+                    eos_ids=None, view: int | None = None) -> step_lib.RunSummary:
         policy = self.policy if policy is None else policy
         policy_params = self.policy_params if policy_params is None else policy_params
         eos_ids = self.eos_ids if eos_ids is None else eos_ids
-        key, args, static = self._rounds_program(policy, policy_params, eos_ids)
+        view = self._view() if view is None else view
+        key, args, static = self._rounds_program(policy, policy_params, eos_ids, view)
         args = args[:-2] + (jnp.int32(limit), jnp.bool_(stop_on_finish))
         program = self._program(key, step_lib.run_rounds, args, static)
         self._slots, self._caches, summary = program(*(a for i, a in enumerate(args)
@@ -397,12 +420,15 @@ class Engine:
         self._slots, self._caches, _ = program(*(a for i, a in enumerate(args) if i not in (0, 2)))
 
     def compile(self, max_prompt_len: int) -> float:
-        """Compiles the current policy's rounds and the one-request admissions of every prompt
-        bucket up to ``max_prompt_len`` now (so that serving rarely stops to compile); returns
-        seconds spent. Admissions of several requests at once compile when first needed."""
+        """Compiles the current policy's rounds (every cache view) and the one-request
+        admissions of every prompt bucket up to ``max_prompt_len`` now (so that serving rarely
+        stops to compile); returns seconds spent. Admissions of several requests at once compile
+        when first needed."""
         before = self.compile_s
-        key, args, static = self._rounds_program(self.policy, self.policy_params, self.eos_ids)
-        self._program(key, step_lib.run_rounds, args, static)
+        for view in sorted({cache_view(n, self.max_len) for n in range(1, self.max_len + 1)}):
+            key, args, static = self._rounds_program(self.policy, self.policy_params,
+                                                     self.eos_ids, view)
+            self._program(key, step_lib.run_rounds, args, static)
         lengths = {self._prompt_width(n): n for n in range(max_prompt_len, 0, -1)}
         for width, length in sorted(lengths.items()):
             admissions, width = self._admissions([(0, Request(0, [0] * length, 1))])
@@ -560,7 +586,7 @@ class Engine:
         model = self.target.name or (f"{cfg.model_type}-L{cfg.num_hidden_layers}-d{cfg.hidden_size}"
                                      f"-V{cfg.vocab_size}")
         key, args, static = self._rounds_program(spread_drafts, self._profiling_params(0),
-                                                 jnp.asarray([-1], jnp.int32))
+                                                 jnp.asarray([-1], jnp.int32), self.max_len)
         program = _PROGRAMS.fingerprint(self._structure() + key, step_lib.run_rounds, args, static)
         return dict(model=model, dtype=str(np.dtype(self.target.dtype)),
                     device_kind=jax.devices()[0].device_kind, buckets=list(self.buckets),
@@ -582,8 +608,9 @@ class Engine:
 
         A round is timed whole (policy, flat verify forward of B tokens, rejection sampling,
         draft of all S slots, host read of its summary): min(B, S) slots are active and
-        B - min(B, S) drafts are spread over them. The engine must be idle; its slots are left
-        free.
+        B - min(B, S) drafts are spread over them, and the attention reads the whole cache (the
+        widest view: the table errs on the slow side). The engine must be idle; its slots are
+        left free.
         """
         if self.busy:
             raise RuntimeError("profile_sps needs an idle engine")
@@ -602,7 +629,8 @@ class Engine:
                                 generated=np.ones_like(start_pos))
                 params = self._profiling_params(tokens - min(tokens, self.num_slots))
                 start = time.perf_counter()
-                summary = jax.device_get(self._run_rounds(1, False, spread_drafts, params, no_eos))
+                summary = jax.device_get(self._run_rounds(1, False, spread_drafts, params, no_eos,
+                                                          view=self.max_len))
                 seconds = time.perf_counter() - start
                 assert int(summary.verified_tokens) == tokens, (int(summary.verified_tokens), tokens)
                 return seconds

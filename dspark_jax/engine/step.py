@@ -5,7 +5,8 @@ engine state as explicit pytrees (``decoding.round.Slots`` / ``Caches``), which 
 :func:`run_rounds` is a ``lax.while_loop`` of scheduler + :func:`decoding.round.verify_round`:
 it runs up to ``limit`` rounds and stops early when no slot is active, or, with
 ``stop_on_finish``, after the first round in which a request ended (so that the host can admit
-queued requests into the freed slot). One call of ``limit`` 1 is one serving step; an offline
+queued requests into the freed slot), or when a slot's committed length outgrows the cache
+``view`` the call's verify attention reads (the host then calls again with a wider view). One call of ``limit`` 1 is one serving step; an offline
 batch runs many rounds per call, with no host round trip between them.
 """
 
@@ -48,8 +49,8 @@ def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State,
 def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                drafter_graphdef: nnx.GraphDef | None, drafter_state: nnx.State | None,
                slots: Slots, caches: Caches, eos_ids: jax.Array, policy_params: dict,
-               limit: jax.Array, stop_on_finish: jax.Array, *, buckets: tuple[int, ...], policy
-               ) -> tuple[Slots, Caches, RunSummary]:
+               limit: jax.Array, stop_on_finish: jax.Array, *, buckets: tuple[int, ...], policy,
+               view: int | None = None) -> tuple[Slots, Caches, RunSummary]:
     """Up to ``limit`` rounds (jit with the keyword arguments static).
 
     Args:
@@ -59,6 +60,8 @@ def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
         request.
       buckets: sorted flat token counts of the verify forward, the last one S * (P + 1).
       policy: a verification policy name or function (unused without a drafter).
+      view: static cache slots the verify attention reads (None: all): a round runs only while
+        every active slot's anchor position is at most ``view``.
     """
     target, drafter = _models(target_graphdef, target_state, drafter_graphdef, drafter_state)
     temps = policy_params["confidence_temperatures"]
@@ -67,8 +70,10 @@ def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
 
     def cond(carry):
         slots, _, summary, ended = carry
+        in_view = True if view is None else jnp.max(
+            jnp.where(slots.active, slots.anchor_pos, 0)) <= view
         return (jnp.any(slots.active) & (summary.rounds < limit)
-                & ~(stop_on_finish & ended))
+                & ~(stop_on_finish & ended) & in_view)
 
     def body(carry):
         slots, caches, s, ended = carry
@@ -79,7 +84,7 @@ def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                                                slots.active, policy_params)
         num_active = jnp.sum(slots.active.astype(jnp.int32))
         slots, caches, out = verify_round(target, drafter, slots, caches, proposal_len, eos_ids,
-                                          temps, buckets=buckets)
+                                          temps, buckets=buckets, view=view)
         s = RunSummary(s.rounds + 1, s.verified_tokens + out.verified_tokens,
                        s.active_slot_rounds + num_active, s.bucket_counts.at[out.bucket].add(1))
         return slots, caches, s, ended | jnp.any(out.finished)

@@ -191,7 +191,8 @@ class DSparkModel(nnx.Module):
         return jnp.concatenate([anchor[..., None, :], rest], axis=-2)
 
     def init_cache(self, batch: int, slots: int, dtype=None) -> KVCache:
-        """An empty draft context cache [num_layers, batch, K, slots, D]."""
+        """An empty draft context cache (``KVCache.zeros``: keys [num_layers, batch, K, D, slots],
+        values [num_layers, batch, K, slots, D])."""
         cfg = self.model_config
         dtype = dtype or self.fc.kernel[...].dtype
         return KVCache.zeros(self.config.num_layers, batch, slots, cfg.num_key_value_heads,
@@ -221,10 +222,10 @@ class DSparkModel(nnx.Module):
             attn = layer.self_attn
             k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)  # [b, C, K, D]
             if k_cache is not None:
-                k_ctx = k_cache = write_layer(k_cache, k_ctx, ctx_slots)
-                v_ctx = v_cache = write_layer(v_cache, v_ctx, ctx_slots)
-            else:  # the cache layout [b, K, C, D]
-                k_ctx, v_ctx = k_ctx.swapaxes(1, 2), v_ctx.swapaxes(1, 2)
+                k_ctx = k_cache = write_layer(k_cache, k_ctx, ctx_slots, keys=True)
+                v_ctx = v_cache = write_layer(v_cache, v_ctx, ctx_slots, keys=False)
+            else:  # the cache layout: keys [b, K, D, C], values [b, K, C, D]
+                k_ctx, v_ctx = k_ctx.transpose(0, 2, 3, 1), v_ctx.swapaxes(1, 2)
             x = layer.input_layernorm(h)
             k_block, v_block = attn.keys_values(x, cos, sin)
             out = attend_blockwise(attn.queries(x, cos, sin), k_ctx.astype(k_block.dtype),
@@ -267,7 +268,7 @@ class DSparkModel(nnx.Module):
           ctx_taps: [b, C, m*d] raw target taps of newly committed tokens (in tap order).
           ctx_positions: int [b, C] their positions (= cache slots); entries at positions
             >= cache.num_slots are padding and are dropped.
-          cache: draft cache, k/v [L_draft, b, K, slots, D]; slot s holds the projected,
+          cache: draft cache (kv_cache.py layout, L_draft layers); slot s holds the projected,
             k_norm'd and RoPE'd context K/V of position s.
           anchor_tokens: int [b], the last committed token of each row.
           anchor_positions: int [b], its position; context slots < it are visible.

@@ -5,10 +5,14 @@ cache needs no length field for attention: a query at position p sees slots 0..p
 always committed tokens. Rolling back after a rejected draft is therefore free; the next write
 at the committed length overwrites the stale slots (as in levanter's speculative loop).
 
-The layout is [layers, rows, kv heads, slots, head dim]: each (row, head) holds its slots as one
-contiguous [S, D] matrix, the operand layout of the attention's batched matmuls, so XLA reads
-the cache in place instead of first copying it into a transposed layout (on CPU that copy took
-about a sixth of a decode step: benchmarks/profile_decode.py, BENCHMARKS.md).
+The layout is that of the attention's two batched matmuls, so XLA reads the cache in place
+instead of first copying it into another layout (on CPU that copy took about a sixth of a decode
+step: benchmarks/profile_decode.py, BENCHMARKS.md): values are [layers, rows, kv heads, slots,
+head dim], each (row, head) an [S, D] matrix, the right operand of weights [Q, S] @ values;
+keys are [layers, rows, kv heads, head dim, slots], an [D, S] matrix, the right operand of
+queries [Q, D] @ keys. With keys stored [S, D] the score matmul contracts both operands on
+their minor dimension, which XLA:CPU ran 3-4x slower than [Q, D] @ [D, S] at batch 32
+(BENCHMARKS.md, issue 19).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dspark_jax import sharding
 
 @struct.dataclass
 class KVCache:
-    """k, v: [L, B, K, S, D] for L layers, B rows, K kv heads, S slots, D head dim."""
+    """k: [L, B, K, D, S] and v: [L, B, K, S, D] for L layers, B rows, K kv heads, D head dim,
+    S slots."""
 
     k: jax.Array
     v: jax.Array
@@ -34,7 +39,8 @@ class KVCache:
 
         k and v are separate buffers, so the cache can be donated to a jitted function."""
         shape = (num_layers, batch, kv_heads, slots, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)).constrain()
+        keys = (num_layers, batch, kv_heads, head_dim, slots)
+        return cls(jnp.zeros(keys, dtype), jnp.zeros(shape, dtype)).constrain()
 
     def constrain(self) -> "KVCache":
         """Inside jit under a mesh: rows sharded over the data axes, kv heads over the tensor
@@ -44,7 +50,7 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[3]
+        return self.v.shape[3]
 
     def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
               rows: jax.Array | None = None) -> "KVCache":
@@ -56,29 +62,32 @@ class KVCache:
             rows = jnp.arange(positions.shape[0])
         rows = rows[:, None]
 
-        def put(cache, new):  # the indexed dims [B, T] lead the update: [B, T, L, K, D]
-            return cache.at[:, rows, :, positions].set(
-                jnp.moveaxis(new, 0, 2).astype(cache.dtype), mode="drop")
+        def put(cache, new, index):  # the indexed dims [B, T] lead the update: [B, T, L, K, D]
+            return cache.at[index].set(jnp.moveaxis(new, 0, 2).astype(cache.dtype), mode="drop")
 
-        return KVCache(put(self.k, k_new), put(self.v, v_new))
+        s = slice(None)
+        return KVCache(put(self.k, k_new, (s, rows, s, s, positions)),
+                       put(self.v, v_new, (s, rows, s, positions)))
 
     def set_rows(self, new: "KVCache", rows: jax.Array) -> "KVCache":
-        """Replaces whole rows: ``new`` k/v [L, B, K, S, D] into cache rows ``rows`` int [B]
+        """Replaces whole rows: ``new`` (a cache of B rows) into cache rows ``rows`` int [B]
         (rows beyond the cache are dropped)."""
         return KVCache(*(full.at[:, rows].set(part.astype(full.dtype), mode="drop")
                          for full, part in ((self.k, new.k), (self.v, new.v))))
 
 
-def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,
+                keys: bool) -> jax.Array:
     """Scatters new entries into one layer of the cache.
 
     Args:
-      cache_layer: [B, K, S, D].
+      cache_layer: keys [B, K, D, S] (``keys``) or values [B, K, S, D].
       new: [B, T, K, D], the entries of the tokens at ``positions``.
       positions: int [B, T], slot of each new token (positions >= S are dropped).
 
     Returns:
-      [B, K, S, D] updated.
+      ``cache_layer`` updated.
     """
     rows = jnp.arange(new.shape[0])[:, None]
-    return cache_layer.at[rows, :, positions].set(new.astype(cache_layer.dtype), mode="drop")
+    index = (rows, slice(None), slice(None), positions) if keys else (rows, slice(None), positions)
+    return cache_layer.at[index].set(new.astype(cache_layer.dtype), mode="drop")

@@ -233,11 +233,12 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
 
     The same result as :func:`attend` over keys [cache slots; new tokens] with the mask
     [cache_visible, new_visible], as one softmax in two parts: the cache is read in place in its
-    [K, S, D] layout (no copy of it per layer) and the new tokens' part is T x T.
+    layout (no copy of it per layer) and the new tokens' part is T x T.
 
     Args:
       q: [B, T, H, D] queries of the new tokens.
-      k_cache, v_cache: [B, K, S, D] one layer of the cache (kv_cache.py layout).
+      k_cache, v_cache: [B, K, D, S] keys and [B, K, S, D] values, one layer of the cache
+        (kv_cache.py layout).
       cache_visible: bool [B, T, S], True where query t may see slot s.
       k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
 
@@ -249,12 +250,12 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
     g = h // kv
     # Rows of one kv head: its G query heads for each new token, q index = t * G + g.
     qg = q.reshape(b, t, kv, g, d).swapaxes(1, 2).reshape(b, kv, t * g, d)
-    k_own, v_own = k_new.swapaxes(1, 2), v_new.swapaxes(1, 2)  # [B, K, T, D]
-    parts = [(k_cache, v_cache, cache_visible)] if k_cache.shape[2] else []
+    k_own, v_own = k_new.transpose(0, 2, 3, 1), v_new.swapaxes(1, 2)  # [B, K, D, T], [B, K, T, D]
+    parts = [(k_cache, v_cache, cache_visible)] if k_cache.shape[3] else []
     parts.append((k_own, v_own, new_visible))
     scores = []
     for keys, _, visible in parts:
-        s = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32) * (d ** -0.5)
+        s = jnp.einsum("bkqd,bkds->bkqs", qg, keys, preferred_element_type=jnp.float32) * (d ** -0.5)
         s = s.reshape(b, kv, t, g, -1)
         scores.append(jnp.where(visible[:, None, :, None, :], s, -jnp.inf))
     out = sum(jnp.einsum("bkqs,bksd->bkqd", w.reshape(b, kv, t * g, -1).astype(values.dtype), values)
@@ -273,7 +274,8 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
 
     Args:
       q: [B, T, H, D] queries of T = n * block_size block tokens (block j = rows j*bs..).
-      k_ctx, v_ctx: [B, K, S, D] context keys / values (the cache layout); ctx_mask: bool [B, T, S].
+      k_ctx, v_ctx: [B, K, D, S] context keys and [B, K, S, D] values (the cache layout);
+        ctx_mask: bool [B, T, S].
       k_block, v_block: [B, T, K, D] the blocks' own keys / values.
       block_keep: bool [B, T]; False: the query sees no key of its block (a dummy block).
       block_size: tokens per block.
@@ -286,7 +288,7 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
     g, n = h // kv, t // block_size
     scale = d ** -0.5
     qg = q.reshape(b, t, kv, g, d)
-    s_ctx = jnp.einsum("btkgd,bksd->bkgts", qg, k_ctx,
+    s_ctx = jnp.einsum("btkgd,bkds->bkgts", qg, k_ctx,
                        preferred_element_type=jnp.float32) * scale  # [B, K, G, T, S]
     s_blk = jnp.einsum("bnikgd,bnjkd->bkgnij", qg.reshape(b, n, block_size, kv, g, d),
                        k_block.reshape(b, n, block_size, kv, d),

@@ -44,7 +44,8 @@ def to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width
 
 def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows: jax.Array,
                    cols: jax.Array, starts: jax.Array, cache: KVCache, *, width: int,
-                   tap_layer_ids: tuple[int, ...] = (), dense: bool = False) -> RaggedOutput:
+                   tap_layer_ids: tuple[int, ...] = (), dense: bool = False,
+                   view: int | None = None) -> RaggedOutput:
     """Runs the decoder on flat tokens that extend the rows of ``cache``.
 
     Args:
@@ -54,16 +55,20 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       rows: int [T] cache row of each token (>= S marks padding: it sees and writes nothing).
       cols: int [T] column of each token within its row, in 0..width-1.
       starts: int [S] committed length of each row: a new token sees cache slots < starts[row].
-      cache: k/v [L, S, K, N, D], only read (the new entries come back in the grid layout).
+      cache: keys [L, S, K, D, N], values [L, S, K, N, D], only read (the new entries come back in the grid layout).
       width: Q, the static number of columns of the grid.
       tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
       dense: the tokens are the whole [S, Q] grid, row-major (T = S * width; ``rows`` and
         ``cols`` are then ignored): the grid is a reshape, with no scatter or gather.
+      view: static number of leading cache slots the attention reads (None: all N). Every
+        start must be at most ``view``: a token never sees a slot at or past its row's start,
+        so the slots past the view are never read, and the attention costs O(view), not O(N).
 
     Returns:
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
     """
-    num_rows, num_slots = cache.k.shape[1], cache.num_slots
+    num_rows = cache.k.shape[1]
+    num_slots = cache.num_slots if view is None else min(view, cache.num_slots)
     num_layers = model.config.num_hidden_layers
     for layer_id in tap_layer_ids:
         if not -1 <= layer_id < num_layers:
@@ -97,7 +102,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos, sin))
         k_grid, v_grid, q_grid = (grid(x) for x in (k_new, v_new, q))
         if num_slots:
-            out = attend_cached(q_grid, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
+            keys, values = k_cache[..., :num_slots], v_cache[:, :, :num_slots]
+            out = attend_cached(q_grid, keys.astype(k_new.dtype), values.astype(v_new.dtype),
                                 cached, k_grid, v_grid, causal)
         else:  # a prefill: no history, long rows attended in query chunks
             out = attend(q_grid, k_grid, v_grid, causal)

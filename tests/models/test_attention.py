@@ -33,11 +33,12 @@ def test_query_chunks_equal_one_pass():
 
 @pytest.mark.parametrize("slots", [0, 11])
 def test_cached_attention_equals_attention_over_the_concatenation(slots):
-    """New tokens over [cache; themselves] in the cache layout [B, K, S, D], without a concat."""
+    """New tokens over [cache; themselves] in the cache layout (keys [B, K, D, S]), no concat."""
     rng = np.random.default_rng(1)
     b, t, h, kv, d = 3, 4, 6, 2, 8
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
-    k_cache, v_cache = (jnp.asarray(rng.normal(size=(b, kv, slots, d)), jnp.float32) for _ in range(2))
+    k_cache = jnp.asarray(rng.normal(size=(b, kv, d, slots)), jnp.float32)  # kv_cache.py layout
+    v_cache = jnp.asarray(rng.normal(size=(b, kv, slots, d)), jnp.float32)
     k_new, v_new = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
     cache_visible = rng.random((b, t, slots)) < 0.5
     new_visible = np.tril(np.ones((t, t), bool)) & (rng.random((b, t, t)) < 0.8)
@@ -45,7 +46,7 @@ def test_cached_attention_equals_attention_over_the_concatenation(slots):
     cache_visible[1, 2] = False  # a query that sees nothing gets zeros
     got = jax.jit(attend_cached)(q, k_cache, v_cache, jnp.asarray(cache_visible), k_new, v_new,
                                  jnp.asarray(new_visible))
-    keys = jnp.concatenate([k_cache.swapaxes(1, 2), k_new], axis=1)
+    keys = jnp.concatenate([k_cache.transpose(0, 3, 1, 2), k_new], axis=1)
     values = jnp.concatenate([v_cache.swapaxes(1, 2), v_new], axis=1)
     want = attend(q, keys, values, jnp.asarray(np.concatenate([cache_visible, new_visible], -1)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
@@ -53,18 +54,20 @@ def test_cached_attention_equals_attention_over_the_concatenation(slots):
 
 
 def test_cache_writes_land_in_the_head_major_layout():
-    """KVCache.write and write_layer put token t of row b at [.., b, :, position, :]."""
+    """KVCache.write and write_layer put token t of row b at keys [.., b, :, :, position] and
+    values [.., b, :, position, :]."""
     layers, b, slots, kv, d, t = 2, 3, 9, 2, 4, 2
     cache = KVCache.zeros(layers, b, slots, kv, d, jnp.float32)
-    assert cache.k.shape == (layers, b, kv, slots, d) and cache.num_slots == slots
+    assert cache.k.shape == (layers, b, kv, d, slots) and cache.v.shape == (layers, b, kv, slots, d)
+    assert cache.num_slots == slots
     new = jnp.arange(layers * b * t * kv * d, dtype=jnp.float32).reshape(layers, b, t, kv, d) + 1
     positions = jnp.asarray([[0, 1], [4, 5], [8, 9]])  # slot 9 is past the end: dropped
     written = cache.write(new, -new, positions)
     for row, slots_of_row in enumerate(np.asarray(positions)):
         for col, slot in enumerate(slots_of_row):
             if slot < slots:
-                np.testing.assert_array_equal(written.k[:, row, :, slot], new[:, row, col])
+                np.testing.assert_array_equal(written.k[:, row, :, :, slot], new[:, row, col])
                 np.testing.assert_array_equal(written.v[:, row, :, slot], -new[:, row, col])
     assert float(jnp.abs(written.k).sum()) == float(jnp.abs(new).sum() - jnp.abs(new[:, 2, 1]).sum())
-    layer = write_layer(cache.k[0], new[0], positions)
-    np.testing.assert_array_equal(layer, written.k[0])
+    np.testing.assert_array_equal(write_layer(cache.k[0], new[0], positions, keys=True), written.k[0])
+    np.testing.assert_array_equal(write_layer(cache.v[0], -new[0], positions, keys=False), written.v[0])

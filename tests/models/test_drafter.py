@@ -145,8 +145,8 @@ def test_blockwise_attention_equals_dense_attention():
     mask = block_attention_mask(anchors=anchors, keep=keep, context_len=s, block_size=bs)
     dense = attend(q, jnp.concatenate([k_ctx, k_blk], 1), jnp.concatenate([v_ctx, v_blk], 1),
                    mask.dense(bs))
-    # The context in the cache layout [b, K, s, D].
-    blockwise = attend_blockwise(q, k_ctx.swapaxes(1, 2), v_ctx.swapaxes(1, 2), mask.context,
+    # The context in the cache layout: keys [b, K, D, s], values [b, K, s, D].
+    blockwise = attend_blockwise(q, k_ctx.transpose(0, 2, 3, 1), v_ctx.swapaxes(1, 2), mask.context,
                                  k_blk, v_blk, mask.keep, block_size=bs)
     np.testing.assert_allclose(blockwise, dense, atol=1e-5, rtol=1e-5)
     assert not np.asarray(blockwise[0, 2 * bs:]).any()  # the dummy block sees nothing

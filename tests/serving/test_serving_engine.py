@@ -196,6 +196,29 @@ def test_the_process_keeps_only_the_most_recently_used_programs(qwen3, monkeypat
     assert run(short) == (first, False)  # kept now
 
 
+def test_cache_views_are_powers_of_two_within_the_cache():
+    assert [engine_module.cache_view(n, 736) for n in (1, 128, 129, 256, 300, 513, 736)] == [
+        128, 128, 256, 256, 512, 736, 736]
+    assert engine_module.cache_view(5, 64) == 64
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_rows_that_outgrow_their_cache_view_continue_in_the_next(qwen3, ar_reference, monkeypatch,
+                                                                 drafted):
+    """With views from 8 slots up (here 16, 32 and 64 are used), requests cross several views
+    while others join and leave: the tokens are the greedy reference's, and each view is one
+    program."""
+    monkeypatch.setattr(engine_module, "MIN_VIEW", 8)
+    drafter = dspark_jax.init_drafter(qwen3, seed=2) if drafted else None
+    engine = Engine(qwen3, drafter, slots=SLOTS, max_len=64, buckets=BUCKETS if drafted else None)
+    assert [r.tokens for r in serve(engine, ARRIVALS)] == ar_reference
+    views = sorted(key[-1] for key in engine.program_keys if key[0] == "rounds")
+    assert views == [16, 32, 64]
+    requests = [engine.submit(p, max_new_tokens=MAX_NEW) for p in PROMPTS]
+    engine.run()  # many rounds per call: a run stops when a row outgrows its view
+    assert [r.tokens for r in requests] == ar_reference
+
+
 def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
     """A callable policy's ``lagged`` holds, per slot, the confidences of the block it verified
     two steps earlier, and zeros in a request's first two steps (here a request joins while
