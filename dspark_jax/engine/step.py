@@ -6,8 +6,9 @@ engine state as explicit pytrees (``decoding.round.Slots`` / ``Caches``), which 
 it runs up to ``limit`` rounds and stops early when no slot is active, or, with
 ``stop_on_finish``, after the first round in which a request ended (so that the host can admit
 queued requests into the freed slot), or when a slot's committed length outgrows the cache
-``view`` the call's verify attention reads (the host then calls again with a wider view). One call of ``limit`` 1 is one serving step; an offline
-batch runs many rounds per call, with no host round trip between them.
+``view`` the call's verify attention reads (the host then calls again with a wider view). One
+call of ``limit`` 1 is one serving step; an offline batch runs many rounds per call, with no
+host round trip between them.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       rows: int [T] cache row of each token (>= S marks padding: it sees and writes nothing).
       cols: int [T] column of each token within its row, in 0..width-1.
       starts: int [S] committed length of each row: a new token sees cache slots < starts[row].
-      cache: keys [L, S, K, D, N], values [L, S, K, N, D], only read (the new entries come back in the grid layout).
+      cache: keys [L, S, K, D, N], values [L, S, K, N, D], only read (the new entries come
+        back in the grid layout).
       width: Q, the static number of columns of the grid.
       tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
       dense: the tokens are the whole [S, Q] grid, row-major (T = S * width; ``rows`` and
