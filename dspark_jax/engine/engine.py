@@ -97,14 +97,15 @@ class Request:
 
 def cache_view(length: int, max_len: int) -> int:
     """Cache slots a run of rounds reads while every committed length is at most ``length``:
-    the power of two >= ``length``, at least :data:`MIN_VIEW`, at most ``max_len``.
+    ``length``'s prompt bucket (a power of two up to 1,024, then a multiple of 1,024), at least
+    :data:`MIN_VIEW`, at most ``max_len``.
 
     The verify attention of a round reads the view, not the whole cache (a row's tokens never
     see slots past its committed length), so rows holding 200 tokens of a 736-slot cache read
     256 slots each; the run stops when a row outgrows its view, and the host continues it with
-    the next one. Powers of two keep the number of programs per engine logarithmic.
+    the next one. The buckets keep the number of programs per engine small.
     """
-    return min(max_len, max(MIN_VIEW, 1 << max(0, length - 1).bit_length()))
+    return min(max_len, max(MIN_VIEW, prompt_bucket(length)))
 
 
 def token_buckets(slots: int, proposals: int,

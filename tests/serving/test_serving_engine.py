@@ -205,7 +205,7 @@ def test_cache_views_are_powers_of_two_within_the_cache():
 @pytest.mark.parametrize("drafted", [False, True])
 def test_rows_that_outgrow_their_cache_view_continue_in_the_next(qwen3, ar_reference, monkeypatch,
                                                                  drafted):
-    """With views from 8 slots up (here 16, 32 and 64 are used), requests cross several views
+    """With views from 8 slots up (prompt buckets: 16, 32 and 64 here), requests cross several views
     while others join and leave: the tokens are the greedy reference's, and each view is one
     program."""
     monkeypatch.setattr(engine_module, "MIN_VIEW", 8)
