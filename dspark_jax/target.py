@@ -111,8 +111,8 @@ class Target:
         """Writes a Hugging Face folder (config.json, safetensors, tokenizer) atomically."""
         def write(tmp: Path):
             hf_config = dict(self.hf_config)
+            hf_config.pop("rope_parameters", None)  # written again where the family uses it
             hf_config.update(model_config_to_hf(self.config))
-            hf_config.pop("rope_parameters", None)
             hf_config.pop("quantization_config", None)
             hf_config["torch_dtype"] = hf_config["dtype"] = str(np.dtype(self.dtype))
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))

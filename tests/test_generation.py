@@ -36,6 +36,15 @@ def test_greedy_matches_full_forward_reference(target):
     assert result.token_ids == greedy_reference(target, prompt, 12)
 
 
+def test_gemma3_greedy_matches_full_forward_reference():
+    """Sliding layers with a 3-token window through the engine's cache equal full forwards."""
+    gemma = init_target(dict(TINY, architectures=["Gemma3ForCausalLM"], sliding_window=3,
+                             layer_types=["sliding_attention", "full_attention"]), seed=2)
+    prompts = [[5, 9, 11, 7, 30, 31], [17, 4]]
+    results = dspark_jax.generate(gemma, prompts, max_new_tokens=12)
+    assert [r.token_ids for r in results] == [greedy_reference(gemma, p, 12) for p in prompts]
+
+
 def test_mixed_lengths_batch_equals_each_alone(target):
     prompts = [[5, 9], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12, 14, 20, 21, 22, 30, 31, 32, 33], [17]]
     batched = dspark_jax.generate(target, prompts, max_new_tokens=10)

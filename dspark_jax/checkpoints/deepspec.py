@@ -40,7 +40,7 @@ from flax import nnx
 from dspark_jax import sharding
 from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.model_config import MODEL_TYPES, model_config_from_hf, model_config_to_hf
+from dspark_jax.model_config import FULL, MODEL_TYPES, model_config_from_hf, model_config_to_hf
 from dspark_jax.drafter_config import DEEPSPEC_HEAD_TYPES, check_fit, drafter_config
 from dspark_jax.models.drafter import DSparkModel
 
@@ -58,9 +58,12 @@ COMPARE_ROWS = 4096  # rows per float32 chunk when a copy is compared with the t
 
 
 def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenConfigDict:
-    """The draft layers' architecture: the target's config with ``num_layers`` layers."""
+    """The draft layers' architecture: the target's config with ``num_layers`` full-attention
+    layers (a draft block sees its whole context, also over a sliding-window target)."""
     fields = target_config.as_configdict().to_dict()
     fields["num_hidden_layers"] = int(num_layers)
+    fields["layer_types"] = (FULL,) * int(num_layers)
+    fields["sliding_window"] = None
     return ml_collections.FrozenConfigDict(fields)
 
 

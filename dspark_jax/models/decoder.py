@@ -1,10 +1,16 @@
-"""The target decoder family: Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""The target decoder family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
+Gemma3 (scaled embeddings, 1 + weight norms around attention and MLP, tanh-GELU MLP, sliding
+window layers with their own rope, logit soft-capping).
 
 One Flax NNX module whose decoder layers are stacked along a leading ``layers`` axis and run
 with ``jax.lax.scan``, so compile time does not grow with depth. The forward pass returns the
 final-normed hidden states, the raw outputs of any tapped layers (the DFlash context features,
 DSPARK_SPEC.md section 3) and the updated KV cache; logits are a separate call so that
 training can run the LM head only where it needs it.
+
+Sliding-window layers keep every slot of the KV cache like full layers and mask the keys
+more than ``sliding_window - 1`` positions back (exact; the memory of a ring buffer per sliding
+layer is not saved).
 
 Callers use it pure-functionally: ``graphdef, state = nnx.split(model)`` outside, and
 ``nnx.merge(graphdef, state)`` inside a jitted function.
@@ -19,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.model_config import FULL, SLIDING
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, attend_cached,
                                       rope_cos_sin, rope_frequencies)
@@ -32,14 +39,53 @@ class DecoderOutput(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm layer: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
+    """Pre-norm layer: h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h)).
+
+    With ``sandwich_norms`` (Gemma) the outputs are normed too:
+    h += post_attention_layernorm(attn(input_layernorm(h)));
+    h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))).
+
+    The attention core is the caller's (over a cache, a grid of rows or draft blocks):
+    ``input_layernorm`` gives its input, :meth:`finish` the layer output from its result.
+    """
 
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        def norm():
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
+
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
-                       bias=cfg.mlp_bias)
+                       bias=cfg.mlp_bias, activation=cfg.hidden_act)
+        self.sandwich_norms = cfg.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+
+    def finish(self, h: jax.Array, attended: jax.Array) -> jax.Array:
+        """The layer output: h [B, T, d] and the attention result [B, T, H, D] -> [B, T, d]."""
+        out = self.self_attn.output(attended)
+        if not self.sandwich_norms:
+            h = h + out
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(out)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+def pick(sliding: jax.Array | None, full, slid):
+    """A layer's input: ``full`` for a full-attention layer, ``slid`` (a pytree of the same
+    structure) for a sliding one; ``sliding`` is the scanned bool [] (None: no sliding layers)."""
+    if sliding is None:
+        return full
+    return jax.tree.map(lambda a, b: jnp.where(sliding, b, a), full, slid)
+
+
+def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int) -> jax.Array:
+    """bool [..., T, S]: key s is among the last ``window`` positions up to query t
+    (k_pos > q_pos - window; transformers' sliding_window_overlay), from q int [..., T] and
+    k int [..., S]."""
+    return k_positions[..., None, :] > q_positions[..., :, None] - window
 
 
 def causal_mask(q_positions: jax.Array, k_positions: jax.Array,
@@ -63,7 +109,7 @@ def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
 
 
 class Decoder(nnx.Module):
-    """Llama / Qwen2 / Qwen3 causal decoder."""
+    """Llama / Qwen2 / Qwen3 / Gemma3 causal decoder."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
@@ -71,31 +117,44 @@ class Decoder(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = stacked(lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r),
                               cfg.num_hidden_layers, rngs)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab")))
 
     # -- pieces shared with the drafter ---------------------------------------------------
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """int [B, T] -> [B, T, d]."""
-        return self.embed_tokens(tokens)
+        """int [B, T] -> [B, T, d] (times sqrt(d) in the parameter dtype for Gemma)."""
+        h = self.embed_tokens(tokens)
+        if self.config.embed_scale:
+            h = h * jnp.asarray(self.config.hidden_size ** 0.5, h.dtype)
+        return h
 
     def lm_head_matrix(self) -> jax.Array:
         """The LM head [d, V] (the transposed embedding when tied)."""
         return self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final-normed hidden [..., d] -> float32 logits [..., V] (``hidden @ lm_head_matrix()``)."""
-        return jnp.einsum("...d,dv->...v", hidden, self.lm_head_matrix(),
-                          preferred_element_type=jnp.float32)
+        """Final-normed hidden [..., d] -> float32 logits [..., V] (``hidden @ lm_head_matrix()``,
+        soft-capped by ``final_logit_softcapping`` when the config sets it)."""
+        logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head_matrix(),
+                            preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
-    def rope(self, positions: jax.Array):
-        """int [B, T] -> (cos, sin) [B, T, D]."""
+    def rope(self, positions: jax.Array, layer_type: str = FULL):
+        """int [B, T] -> (cos, sin) [B, T, D] of the full-attention layers (or of ``layer_type``)."""
         cfg = self.config
-        inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                           cfg.max_position_embeddings)
+        theta, scaling = ((cfg.local_rope_theta, cfg.local_rope_scaling) if layer_type == SLIDING
+                          else (cfg.rope_theta, cfg.rope_scaling))
+        inv_freq, scale = rope_frequencies(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)
         return rope_cos_sin(positions, inv_freq, scale)
+
+    @property
+    def sliding(self) -> jax.Array | None:
+        """bool [L]: which layers slide (None when none does)."""
+        sliding = np.asarray([t == SLIDING for t in self.config.layer_types])
+        return jnp.asarray(sliding) if sliding.any() else None
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -133,6 +192,14 @@ class Decoder(nnx.Module):
         if cache is not None:
             committed = jnp.arange(cache.num_slots)[None, None, :] < positions[:, :1, None]
             committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
+        sliding = self.sliding
+        full = ((cos, sin), mask, committed)
+        slid = None
+        if sliding is not None:
+            window = self.config.sliding_window
+            slid = (self.rope(positions, SLIDING), mask & window_mask(positions, positions, window),
+                    None if cache is None else
+                    committed & window_mask(positions, jnp.arange(cache.num_slots)[None], window))
 
         requested = tuple(tap_layer_ids)
         tap_layer_ids = tuple(dict.fromkeys(requested))  # a layer fills one slot: dedupe
@@ -149,18 +216,19 @@ class Decoder(nnx.Module):
 
         def step(carry, xs):
             h, taps = carry
-            state, index, k_cache, v_cache = xs
+            state, index, is_sliding, k_cache, v_cache = xs
             layer = nnx.merge(graphdef, state)
+            attn = layer.self_attn
+            (cos_l, sin_l), mask_l, committed_l = pick(is_sliding, full, slid)
             x = layer.input_layernorm(h)
-            q = layer.self_attn.queries(x, cos, sin)
-            k_new, v_new = layer.self_attn.keys_values(x, cos, sin)
+            q = attn.queries(x, cos_l, sin_l)
+            k_new, v_new = attn.keys_values(x, cos_l, sin_l)
             if k_cache is None:
-                attended = attend(q, k_new, v_new, mask)
+                attended = attend(q, k_new, v_new, mask_l, scale=attn.scale)
             else:
                 attended = attend_cached(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
-                                         committed, k_new, v_new, mask)
-            h = h + layer.self_attn.output(attended)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                                         committed_l, k_new, v_new, mask_l, scale=attn.scale)
+            h = layer.finish(h, attended)
             if taps is not None:
                 slot = tap_slot[index]
                 taps = jax.lax.cond(slot >= 0, lambda t: t.at[slot].set(h), lambda t: t, taps)
@@ -168,7 +236,7 @@ class Decoder(nnx.Module):
 
         layer_caches = (None, None) if cache is None else (cache.k, cache.v)
         (h, taps), new_kv = jax.lax.scan(
-            step, (h, taps), (layer_state, jnp.arange(num_layers)) + layer_caches)
+            step, (h, taps), (layer_state, jnp.arange(num_layers), sliding) + layer_caches)
         if cache is not None and write_cache:
             cache, new_kv = cache.write(*new_kv, positions), None
         if taps is not None:

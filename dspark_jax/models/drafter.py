@@ -142,10 +142,11 @@ class DSparkModel(nnx.Module):
         d = model_cfg.hidden_size
         self.fc = Linear(len(cfg.target_layer_ids) * d, d, names=("taps", "embed"), dtype=dtype,
                          rngs=rngs)
-        self.hidden_norm = RMSNorm(d, model_cfg.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(d, model_cfg.rms_norm_eps, dtype=dtype,
+                                   offset=model_cfg.norm_offset)
         self.layers = stacked(lambda r: DecoderLayer(model_cfg, dtype=dtype, rngs=r),
                               cfg.num_layers, rngs)
-        self.norm = RMSNorm(d, model_cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(d, model_cfg.rms_norm_eps, dtype=dtype, offset=model_cfg.norm_offset)
         self.mask_embedding = (_param(rngs, (d,), dtype, ("embed",))
                                if cfg.trainable_mask_embedding else None)
         self.markov_head = make_head(cfg.head, vocab=model_cfg.vocab_size, rank=cfg.markov_rank,
@@ -230,9 +231,8 @@ class DSparkModel(nnx.Module):
             k_block, v_block = attn.keys_values(x, cos, sin)
             out = attend_blockwise(attn.queries(x, cos, sin), k_ctx.astype(k_block.dtype),
                                    v_ctx.astype(v_block.dtype), mask.context, k_block, v_block,
-                                   mask.keep, block_size=self.config.block_size)
-            h = h + attn.output(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                                   mask.keep, block_size=self.config.block_size, scale=attn.scale)
+            h = layer.finish(h, out)
             return h, (k_cache, v_cache)
 
         caches = (None, None) if cache is None else (cache.k, cache.v)

@@ -1,8 +1,9 @@
 """Building blocks shared by the target decoder and the drafter.
 
-RMSNorm, linear layers with logical axis names, rotary embeddings in the Hugging Face
-``rotate_half`` layout (with the rope scaling types of Llama 3, Qwen2 and Qwen3 configs), a
-GQA attention core over an explicit boolean mask, and the gated SiLU MLP.
+RMSNorm (Llama's, and Gemma's 1 + weight), linear layers with logical axis names, rotary
+embeddings in the Hugging Face ``rotate_half`` layout (with the rope scaling types of Llama 3,
+Qwen2 and Qwen3 configs), a GQA attention core over an explicit boolean mask (with Gemma's
+query scaling), and the gated MLP (SiLU, or Gemma's tanh GELU).
 
 Shapes: B batch, T query tokens, S key tokens, H query heads, K key/value heads,
 D head dim, d hidden size, I MLP width.
@@ -34,16 +35,23 @@ def _param(rngs: nnx.Rngs | None, shape, dtype, names, init="normal") -> nnx.Par
 
 
 class RMSNorm(nnx.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as in transformers."""
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as in transformers.
 
-    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "norm"):
+    With ``offset`` 1.0 (Gemma) the scale is 1 + weight, applied in float32 before the cast back
+    (transformers' Gemma3RMSNorm); the stored weight then starts at zeros.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "norm", offset: float = 0.0):
         self.eps = eps
-        self.weight = _param(None, (dim,), dtype, (axis_name,), init="ones")
+        self.offset = offset
+        self.weight = _param(None, (dim,), dtype, (axis_name,), init="zeros" if offset else "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim] in x.dtype."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -71,16 +79,22 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-class MLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)): [..., d] -> [..., d]."""
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
-    def __init__(self, d: int, inner: int, *, dtype, rngs: nnx.Rngs, bias: bool = False):
+
+class MLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): [..., d] -> [..., d]; act is SiLU or tanh GELU (Gemma)."""
+
+    def __init__(self, d: int, inner: int, *, dtype, rngs: nnx.Rngs, bias: bool = False,
+                 activation: str = "silu"):
+        self.activation = activation
         self.gate_proj = Linear(d, inner, names=("embed", "mlp"), dtype=dtype, rngs=rngs, bias=bias)
         self.up_proj = Linear(d, inner, names=("embed", "mlp"), dtype=dtype, rngs=rngs, bias=bias)
         self.down_proj = Linear(inner, d, names=("mlp", "embed"), dtype=dtype, rngs=rngs, bias=bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x))
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -164,13 +178,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 QUERY_CHUNK = 512  # queries per attention chunk of long inputs (prefill)
 
 
+def scores_of(q: jax.Array, k: jax.Array, subscripts: str, scale: float | None) -> jax.Array:
+    """Attention logits in float32: ``einsum(subscripts, q, k) * scale`` (scale None:
+    D ** -0.5)."""
+    s = jnp.einsum(subscripts, q, k, preferred_element_type=jnp.float32)
+    return s * (q.shape[-1] ** -0.5 if scale is None else scale)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-           query_chunk: int = QUERY_CHUNK) -> jax.Array:
+           query_chunk: int = QUERY_CHUNK, scale: float | None = None) -> jax.Array:
     """Grouped-query attention over an explicit mask.
 
     Args:
       q: [B, T, H, D]; k, v: [B, S, K, D] with H a multiple of K.
       mask: bool [B, T, S], True where query t may see key s.
+      scale: the scores' scale (None: D ** -0.5).
       query_chunk: when T is a larger multiple of it, queries are attended ``query_chunk`` at a
         time (``lax.map``), so the scores take [B, H, query_chunk, S] instead of [B, H, T, S]
         (a 4,096-token prefill of 10 prompts would otherwise need 29 GB). Each query's softmax
@@ -184,18 +206,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
         n = t // query_chunk
         chunks = (q.reshape(b, n, query_chunk, h, d).swapaxes(0, 1),
                   mask.reshape(b, n, query_chunk, mask.shape[-1]).swapaxes(0, 1))
-        out = jax.lax.map(lambda c: _attend(c[0], k, v, c[1]), chunks)  # [n, B, chunk, H, D]
-        return out.swapaxes(0, 1).reshape(b, t, h, d)
-    return _attend(q, k, v, mask)
+        out = jax.lax.map(lambda c: _attend(c[0], k, v, c[1], scale), chunks)
+        return out.swapaxes(0, 1).reshape(b, t, h, d)  # [n, B, chunk, H, D] -> [B, T, H, D]
+    return _attend(q, k, v, mask, scale)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale) -> jax.Array:
     """:func:`attend` of all queries at once."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
+    scores = scores_of(qg, k, "btkgd,bskd->bkgts", scale)
     visible = mask[:, None, None, :, :]
     scores = jnp.where(visible, scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
@@ -228,7 +249,8 @@ def softmax_parts(scores: Sequence[jax.Array]) -> list[jax.Array]:
 
 
 def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_visible: jax.Array,
-                  k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array) -> jax.Array:
+                  k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array, *,
+                  scale: float | None = None) -> jax.Array:
     """Attention of new tokens over a KV cache and over each other, without concatenating them.
 
     The same result as :func:`attend` over keys [cache slots; new tokens] with the mask
@@ -241,6 +263,7 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
         (kv_cache.py layout).
       cache_visible: bool [B, T, S], True where query t may see slot s.
       k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
+      scale: the scores' scale (None: D ** -0.5).
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -255,7 +278,7 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
     parts.append((k_own, v_own, new_visible))
     scores = []
     for keys, _, visible in parts:
-        s = jnp.einsum("bkqd,bkds->bkqs", qg, keys, preferred_element_type=jnp.float32) * (d ** -0.5)
+        s = scores_of(qg, keys, "bkqd,bkds->bkqs", scale)
         s = s.reshape(b, kv, t, g, -1)
         scores.append(jnp.where(visible[:, None, :, None, :], s, -jnp.inf))
     out = sum(jnp.einsum("bkqs,bksd->bkqd", w.reshape(b, kv, t * g, -1).astype(values.dtype), values)
@@ -265,7 +288,7 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
 
 def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
                      k_block: jax.Array, v_block: jax.Array, block_keep: jax.Array, *,
-                     block_size: int) -> jax.Array:
+                     block_size: int, scale: float | None = None) -> jax.Array:
     """Attention of draft blocks over a shared context and, bidirectionally, their own block.
 
     The same result as :func:`attend` over keys [context; blocks] with the dense mask
@@ -279,6 +302,7 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
       k_block, v_block: [B, T, K, D] the blocks' own keys / values.
       block_keep: bool [B, T]; False: the query sees no key of its block (a dummy block).
       block_size: tokens per block.
+      scale: the scores' scale (None: D ** -0.5).
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -286,13 +310,10 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
     b, t, h, d = q.shape
     kv = k_ctx.shape[1]
     g, n = h // kv, t // block_size
-    scale = d ** -0.5
     qg = q.reshape(b, t, kv, g, d)
-    s_ctx = jnp.einsum("btkgd,bkds->bkgts", qg, k_ctx,
-                       preferred_element_type=jnp.float32) * scale  # [B, K, G, T, S]
-    s_blk = jnp.einsum("bnikgd,bnjkd->bkgnij", qg.reshape(b, n, block_size, kv, g, d),
-                       k_block.reshape(b, n, block_size, kv, d),
-                       preferred_element_type=jnp.float32) * scale
+    s_ctx = scores_of(qg, k_ctx, "btkgd,bkds->bkgts", scale)  # [B, K, G, T, S]
+    s_blk = scores_of(qg.reshape(b, n, block_size, kv, g, d), k_block.reshape(b, n, block_size, kv, d),
+                      "bnikgd,bnjkd->bkgnij", scale)
     s_blk = s_blk.reshape(b, kv, g, t, block_size)
     w_ctx, w_blk = softmax_parts([jnp.where(ctx_mask[:, None, None], s_ctx, -jnp.inf),
                                   jnp.where(block_keep[:, None, None, :, None], s_blk, -jnp.inf)])
@@ -303,7 +324,8 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
 
 
 class Attention(nnx.Module):
-    """Projections of a Llama / Qwen2 / Qwen3 attention layer (q/k/v bias, per-head q/k norm).
+    """Projections of a Llama / Qwen2 / Qwen3 / Gemma3 attention layer (q/k/v bias, per-head q/k
+    norm), with the scale of its attention scores (``scale``: query_pre_attn_scalar ** -1/2).
 
     The attention core is :func:`attend`, so the target and the drafter (whose keys also come
     from injected context features) share every weight layout.
@@ -312,13 +334,17 @@ class Attention(nnx.Module):
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
+        self.scale = cfg.get("query_pre_attn_scalar", hd) ** -0.5
+        norm_offset = cfg.get("norm_offset", 0.0)
         self.q_proj = Linear(d, h * hd, names=("embed", "q_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
         self.k_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
         self.v_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
         self.o_proj = Linear(h * hd, d, names=("q_heads", "embed"), dtype=dtype, rngs=rngs, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim",
+                                  offset=norm_offset)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim",
+                                  offset=norm_offset)
         else:
             self.q_norm = self.k_norm = None
 

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.models.decoder import Decoder
+from dspark_jax.model_config import SLIDING
+from dspark_jax.models.decoder import Decoder, pick, window_mask
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import attend, attend_cached
 
@@ -80,6 +81,15 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
                               (num_rows, width, num_slots))
     causal = jnp.broadcast_to(jnp.arange(width)[None, :] <= jnp.arange(width)[:, None],
                               (num_rows, width, width))
+    sliding = model.sliding
+    full = ((cos, sin), cached, causal)
+    slid = None
+    if sliding is not None:  # a grid token (row, col) is at position starts[row] + col
+        window = model.config.sliding_window
+        columns = jnp.arange(width)
+        slid = (model.rope(positions[None], SLIDING),
+                cached & window_mask(starts[:, None] + columns, jnp.arange(num_slots)[None], window),
+                causal & window_mask(columns, columns, window))
     tap_ids = jnp.asarray(tap_layer_ids, jnp.int32)
     taps = None
     if tap_layer_ids:
@@ -95,28 +105,28 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
 
     def step(carry, xs):
         h, taps = carry
-        state, index, k_cache, v_cache = xs
+        state, index, is_sliding, k_cache, v_cache = xs
         layer = nnx.merge(graphdef, state)
         attn = layer.self_attn
+        (cos_l, sin_l), cached_l, causal_l = pick(is_sliding, full, slid)
         x = layer.input_layernorm(h)
-        q = attn.queries(x, cos, sin)[0]
-        k_new, v_new = (t[0] for t in attn.keys_values(x, cos, sin))
+        q = attn.queries(x, cos_l, sin_l)[0]
+        k_new, v_new = (t[0] for t in attn.keys_values(x, cos_l, sin_l))
         k_grid, v_grid, q_grid = (grid(x) for x in (k_new, v_new, q))
         if num_slots:
             keys, values = k_cache[..., :num_slots], v_cache[:, :, :num_slots]
             out = attend_cached(q_grid, keys.astype(k_new.dtype), values.astype(v_new.dtype),
-                                cached, k_grid, v_grid, causal)
+                                cached_l, k_grid, v_grid, causal_l, scale=attn.scale)
         else:  # a prefill: no history, long rows attended in query chunks
-            out = attend(q_grid, k_grid, v_grid, causal)
+            out = attend(q_grid, k_grid, v_grid, causal_l, scale=attn.scale)
         out = out.reshape(q.shape) if dense else out[safe_rows, cols]
-        h = h + attn.output(out[None])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = layer.finish(h, out[None])
         if taps is not None:
             taps = jnp.where((tap_ids == index)[:, None, None, None], h[None], taps)
         return (h, taps), (k_grid, v_grid)
 
     (h, taps), (new_k, new_v) = jax.lax.scan(
-        step, (h, taps), (layer_state, jnp.arange(num_layers), cache.k, cache.v))
+        step, (h, taps), (layer_state, jnp.arange(num_layers), sliding, cache.k, cache.v))
     if taps is not None:
         taps = jnp.moveaxis(taps[:, 0], 0, 1).reshape(tokens.shape[0], -1)
     return RaggedOutput(model.norm(h)[0], taps, new_k, new_v)

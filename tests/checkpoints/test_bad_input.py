@@ -174,7 +174,8 @@ def test_unsupported_rope_type_in_folder(folder):
 
 @pytest.mark.parametrize("change, message", [
     (dict(use_sliding_window=True), "sliding-window attention"),
-    (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+    (dict(hidden_act="gelu"), "unsupported hidden activation 'gelu'"),
+    (dict(use_bidirectional_attention=True), "bidirectional attention"),
     (dict(architectures=[], model_type="mistral"), "unsupported model_type 'mistral'"),
 ])
 def test_other_unsupported_options(change, message):

@@ -44,6 +44,8 @@ def torch_logits(model, ids=IDS):
 def rope_type(config):
     """transformers 5 keeps it in rope_parameters, transformers 4 in rope_scaling."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "full_attention" in rope:  # Gemma3: one rope per layer type
+        return tuple(rope[t].get("rope_type") for t in sorted(rope))
     return rope.get("rope_type", rope.get("type", "default"))
 
 
@@ -70,6 +72,11 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=8)),
+    "gemma3-sliding-linear": lambda: transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=20,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=4.0, rope_scaling=dict(rope_type="linear", factor=2.0)),
 }
 
 

@@ -20,6 +20,8 @@ QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, 
              eos_token_id=3, max_position_embeddings=512)
 LLAMA = dict(QWEN3, architectures=["LlamaForCausalLM"], num_attention_heads=2, num_key_value_heads=1,
              head_dim=16)
+GEMMA3 = dict(QWEN3, architectures=["Gemma3ForCausalLM"], sliding_window=6, query_pre_attn_scalar=6,
+              layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=5.0)
 PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12, 14, 20, 21, 22, 30, 31, 32, 33], [17]]
 
 
@@ -50,8 +52,10 @@ def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_refere
     assert [r.token_ids for r in results] == ar_reference
 
 
-def test_greedy_llama_target():
-    target = init_target(LLAMA, seed=4)
+@pytest.mark.parametrize("config", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
+def test_greedy_other_target_families(config):
+    """Llama, and Gemma3 with 6-token windows (shorter than the prompts plus 16 new tokens)."""
+    target = init_target(config, seed=4)
     drafter = dspark_jax.init_drafter(target, seed=5)
     ar = dspark_jax.generate(target, PROMPTS, max_new_tokens=16)
     sp = dspark_jax.generate(target, PROMPTS, max_new_tokens=16, drafter=drafter)

@@ -1,8 +1,11 @@
-"""Logit parity of the JAX decoder with transformers' PyTorch Llama / Qwen2 / Qwen3 (float32).
+"""Logit parity of the JAX decoder with transformers' PyTorch Llama / Qwen2 / Qwen3 / Gemma3
+(float32).
 
 Each case is a small random checkpoint written by transformers' ``save_pretrained`` and read with
 ``dspark_jax.load_target``; it covers GQA and MHA, odd head counts, explicit head_dim, tied and
-untied embeddings, q/k/v(/o) biases and the rope scaling types default, linear, llama3 and yarn.
+untied embeddings, q/k/v(/o) biases, the rope scaling types default, linear, llama3 and yarn, and
+Gemma3's sliding-window layers (windows shorter than the prompts, their own rope),
+query_pre_attn_scalar and final-logit soft-capping.
 The comparisons run the full forward (right padding), the KV-cache path (prefill, rejected
 draft, multi-token verification, token-by-token decoding) and the layer taps.
 """
@@ -48,6 +51,12 @@ def _qwen3(**kw):
     return transformers.Qwen3Config(**{**base, **kw})
 
 
+def _gemma3(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    return transformers.Gemma3TextConfig(**{**base, **kw})
+
+
 CASES = {
     # GQA 4/2, untied, default rope.
     "llama-default-gqa": lambda: _llama(num_hidden_layers=2, num_attention_heads=4,
@@ -83,6 +92,20 @@ CASES = {
     "qwen3-default-bias-tied": lambda: _qwen3(
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         attention_bias=True, tie_word_embeddings=True),
+    # Gemma3: sliding / full / sliding layers with a 5-token window (shorter than every prompt),
+    # GQA 4/2, head_dim 16, query_pre_attn_scalar 24, linear rope scaling on the full layer and
+    # the default local rope on the sliding ones, final logits soft-capped at 3, tied.
+    "gemma3-sliding-softcap": lambda: _gemma3(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=5, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_scaling=dict(rope_type="linear", factor=2.0)),
+    # Gemma3: the sliding_window_pattern of older configs (every second layer full), MHA,
+    # head_dim 32 (q/k norms of another size), a 7-token window, untied.
+    "gemma3-pattern-mha-untied": lambda: _gemma3(
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=32, sliding_window=7, sliding_window_pattern=2,
+        tie_word_embeddings=False),
 }
 
 
@@ -127,7 +150,11 @@ def test_config_matches_transformers(case):
     assert c.head_dim == expected_head_dim
     assert c.tie_word_embeddings == tc.tie_word_embeddings
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma3: one rope per layer type
     assert c.rope_scaling["rope_type"] == rope.get("rope_type", rope.get("type", "default"))
+    assert c.layer_types == tuple(getattr(tc, "layer_types", None) or c.layer_types)
+    if "sliding_attention" in c.layer_types:
+        assert c.sliding_window == tc.sliding_window < min(LENGTHS)
     # The lm_head really is separate when untied (and absent when tied).
     assert (target.model.lm_head is None) == bool(tc.tie_word_embeddings)
 

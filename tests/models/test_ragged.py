@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.ragged import ragged_forward
@@ -10,10 +11,14 @@ from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+# Sliding layers with a 4-token window: shorter than the rows' histories (5 and 9 tokens).
+GEMMA3 = dict(QWEN3, architectures=["Gemma3ForCausalLM"], sliding_window=4,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
-def test_ragged_forward_matches_batched_decoder():
-    target = init_target(QWEN3, seed=3)
+@pytest.mark.parametrize("config", [QWEN3, GEMMA3], ids=["qwen3", "gemma3"])
+def test_ragged_forward_matches_batched_decoder(config):
+    target = init_target(config, seed=3)
     model = target.model
     rng = np.random.default_rng(0)
     slots, width, rows = 32, 4, 3
