@@ -102,15 +102,22 @@ def test_confidence_label_is_detached(example):
     assert not np.any(g_draft) and not np.any(g_target)
 
 
+# A Gemma3 target whose logits are soft-capped at 2 (the cap bends most of them): the fused
+# gradient applies the cap before the head's bias, as the draft logits do.
+GEMMA3 = dict(TINY, architectures=["Gemma3ForCausalLM"], final_logit_softcapping=2.0,
+              sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
 @pytest.fixture(scope="module", params=[
-    "markov", "none",
+    "markov", "none", "markov-gemma3",
     # the gated and RNN heads differ only in how their latents are made (plain autodiff)
     pytest.param("gated", marks=pytest.mark.slow), pytest.param("rnn", marks=pytest.mark.slow)])
 def model_case(request):
-    target = init_target(TINY, seed=1)
+    head, _, family = request.param.partition("-")
+    target = init_target(GEMMA3 if family else TINY, seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4,
-                                      head=request.param)
-    if request.param != "none":  # W2 ~ N(0, 1): a bias that matters for every slot
+                                      head=head)
+    if head != "none":  # W2 ~ N(0, 1): a bias that matters for every slot
         w2 = drafter.state["markov_head"]["markov_w2"]["kernel"]
         drafter.state = recipe.replace_params(drafter.state, {
             ("markov_head", "markov_w2", "kernel"): np.random.default_rng(4).normal(size=w2.shape)})

@@ -206,6 +206,32 @@ def test_steps_reduce_loss_and_leave_target_frozen(models, step_setup):
     jax.tree.map(lambda new, old: np.testing.assert_(np.any(new != old)), state.params, drafter.state)
 
 
+def test_a_drafter_trains_on_a_gemma3_target():
+    """Packed rows over a Gemma3 target: sliding layers with a 3-token window (shorter than the
+    sequences), logits soft-capped at 5; the loss falls and the target stays frozen."""
+    config = dict(TINY, architectures=["Gemma3ForCausalLM"], sliding_window=3,
+                  final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"] * 2)
+    target = init_target(config, seed=1)
+    target.state = _scaled(target.state, 6.0)
+    drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4)
+    assert drafter.model.model_config.layer_types == ("full_attention",)
+    rng = np.random.default_rng(3)
+    batch = make_batch([[random_sequence(rng, n) for n in (9, 7)] for _ in range(4)], 16, 4)
+    optimizer = smooth_optimizer()
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    example = jax.eval_shape(lambda s: train_step.init_train_state(s, optimizer), drafter.state)
+    step = train_step.make_train_step(drafter.graphdef, target.graphdef, CFG, optimizer, mesh=mesh,
+                                      state=example, target_state=target.state)
+    target_before = jax.tree.map(np.array, target.state)
+    state = train_step.init_train_state(drafter.state, optimizer, mesh)
+    losses = []
+    for _ in range(4):
+        state, metrics = step(state, target.state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.01, losses
+    jax.tree.map(np.testing.assert_array_equal, target.state, target_before)
+
+
 # ----------------------------------------------------------------------------- sharding
 
 SHARDED_SCRIPT = textwrap.dedent(r'''
