@@ -1,12 +1,18 @@
-"""Pieces the benchmark scripts share: the machine's name, a wall-clock timer, and the jitted
-prefill, target-verify and draft steps they time in isolation.
+"""Pieces the benchmark scripts share: the machine's name, a wall-clock timer, XLA:CPU's
+per-operation profile table, and the jitted prefill, target-verify and draft steps they time in
+isolation.
 
 The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path``.
 """
 
 from __future__ import annotations
 
+import collections
+import gzip
+import json
+import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -31,6 +37,26 @@ def timed(fn) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+def op_table(trace_dir: Path, hlo: str, per: int, *, group: bool, top: int) -> list[str]:
+    """The most expensive operations of a ``jax.profiler`` trace (XLA:CPU with
+    ``--xla_cpu_enable_xprof_traceme=true``), as lines 'ms per unit, calls per unit, name,
+    output shape', divided by ``per`` (steps); ``group`` adds up operations that differ only in
+    their numeric suffix; shapes come from the compiled ``hlo`` text."""
+    shapes = dict(re.findall(r"%(\S+) = (\S+) ", hlo))
+    path = sorted(trace_dir.glob("**/*.trace.json.gz"), key=os.path.getmtime)[-1]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    total, count = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.get("ph") != "X" or event["name"].startswith(("$", "end:", "ThunkExecutor")):
+            continue
+        name = re.sub(r"\.\d+$", "", event["name"]) if group else event["name"]
+        total[name] += event.get("dur", 0)
+        count[name] += 1
+    return [f"{micros / per / 1e3:9.2f}  {count[name] / per:6.1f}x  {name:42s} {shapes.get(name, '')}"
+            for name, micros in total.most_common(top)]
 
 
 def verify_step(target, tap_layer_ids: tuple[int, ...]):

@@ -18,12 +18,10 @@ cost a little, so time figures for BENCHMARKS.md come from bench_ar_generate.py.
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
-import json
 import os
-import re
 from pathlib import Path
+
+from _common import op_table
 
 # XLA:CPU emits per-thunk trace events only with this flag, read when the backend starts.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
@@ -66,23 +64,10 @@ def main():
     # compiled here), for output shapes.
     hlo = "\n".join(program.as_text() for program in engine.compiled_programs())
     (args.workdir / "decode.hlo").write_text(hlo)
-    shapes = dict(re.findall(r"%(\S+) = (\S+) ", hlo))
-
-    path = sorted(trace_dir.glob("**/*.trace.json.gz"), key=os.path.getmtime)[-1]
-    events = json.load(gzip.open(path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    total, count = collections.Counter(), collections.Counter()
-    for event in events:
-        if event.get("ph") != "X" or event["name"].startswith(("$", "end:", "ThunkExecutor")):
-            continue
-        name = re.sub(r"\.\d+$", "", event["name"]) if args.group else event["name"]
-        total[name] += event.get("dur", 0)
-        count[name] += 1
     print(f"batch {args.batch}, prompt {args.prompt_len}, {steps} decode steps; ms per step "
           "(the prefill's operations included, spread over the steps):")
-    for name, micros in total.most_common(args.top):
-        print(f"{micros / steps / 1e3:9.2f}  {count[name] / steps:6.1f}x  {name:42s} {shapes.get(name, '')}")
-    print(f"trace: {path}\nHLO: {args.workdir / 'decode.hlo'}")
+    print("\n".join(op_table(trace_dir, hlo, steps, group=args.group, top=args.top)))
+    print(f"trace: {trace_dir}\nHLO: {args.workdir / 'decode.hlo'}")
 
 
 if __name__ == "__main__":
