@@ -52,7 +52,8 @@ def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_refere
     assert [r.token_ids for r in results] == ar_reference
 
 
-@pytest.mark.parametrize("config", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("config", [LLAMA, pytest.param(GEMMA3, marks=pytest.mark.slow)],
+                         ids=["llama", "gemma3"])
 def test_greedy_other_target_families(config):
     """Llama, and Gemma3 with 6-token windows (shorter than the prompts plus 16 new tokens)."""
     target = init_target(config, seed=4)
