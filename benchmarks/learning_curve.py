@@ -1,11 +1,13 @@
 """The learning curve of a training run (issue 18): held-out metrics against steps, with a plot.
 
     python benchmarks/learning_curve.py --workdir runs/campaign_dspark [--label dspark] \
-        [--offset STEPS] [--workdir runs/campaign_dflash --label dflash]
+        [--offset STEPS] [--workdir runs/campaign_dflash --label dflash] \
+        [--include benchmarks/results/learning_curve.json]
 
 Reads each run's ``heldout.jsonl`` (written by the trainer when ``train.heldout_dir`` is set:
 one epoch of the held-out folders, the same anchors at every evaluation) and ``metrics.jsonl``
-(training batches). Prints a Markdown table per run (held-out tau_probabilistic, accept_rate@0,
+(training batches); ``--include`` adds the runs of an earlier results JSON, whose workdirs
+may be gone (an earlier machine's), before them. Prints a Markdown table per run (held-out tau_probabilistic, accept_rate@0,
 @1, @3, and tau with the Markov head zeroed, W2 = 0, where the run has one) and writes
 ``benchmarks/results/learning_curve.json`` and ``.png`` (held-out tau and tau with W2 = 0 against
 steps; training-batch tau behind them).
@@ -40,11 +42,13 @@ def main(argv=None) -> int:
     parser.add_argument("--label", action="append", default=[])
     parser.add_argument("--offset", action="append", type=int, default=[],
                         help="steps before each run's step 0 (a warm start), one per --workdir")
+    parser.add_argument("--include", type=Path,
+                        help="an earlier learning_curve.json whose runs to plot first")
     parser.add_argument("--output", default=str(ROOT / "benchmarks/results/learning_curve.json"))
     args = parser.parse_args(argv)
     labels = args.label + [Path(w).name for w in args.workdir[len(args.label):]]
     offsets = args.offset + [0] * (len(args.workdir) - len(args.offset))
-    runs = {}
+    runs = dict(json.loads(args.include.read_text())["runs"]) if args.include else {}
     for label, workdir, offset in zip(labels, map(Path, args.workdir), offsets):
         heldout = [dict(r, step=r["step"] + offset) for r in read_jsonl(workdir / "heldout.jsonl")]
         train_metrics = [dict(r, step=r["step"] + offset) for r in read_jsonl(workdir / "metrics.jsonl")

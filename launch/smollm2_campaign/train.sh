@@ -10,6 +10,8 @@
 # 3. Trains with the bigram-SVD Markov start (BENCHMARKS.md, recipe ablation), warm-starting from
 #    the committed drafter launch/smollm2_campaign/drafter when present; the held-out curve goes
 #    to WORKDIR/heldout.jsonl. A rerun with the same WORKDIR resumes from its Orbax checkpoints.
+# To stop early: kill it after a checkpoint (every 25 steps), then rerun with STEPS = that
+# checkpoint's step: it resumes, runs no step and exports WORKDIR/drafter.
 # Afterwards: `dspark-jax convert --drafter WORKDIR/drafter --to deepspec --dtype bfloat16
 # --compact --output launch/smollm2_campaign/drafter` and commit it, so the next machine goes on.
 set -euo pipefail
