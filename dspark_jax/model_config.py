@@ -177,43 +177,8 @@ def _cap(value) -> float | None:
     return float(value) if value else None
 
 
-def model_config_to_hf(cfg: ml_collections.FrozenConfigDict) -> dict:
-    """The Hugging Face config.json dict that transformers loads for this model."""
-    if cfg.model_type == "gemma3_text":
-        return _gemma_config_to_hf(cfg)
-    scaling = dict(cfg.rope_scaling)
-    rope_type = scaling.get("rope_type", "default")
-    hf = dict(
-        architectures=[MODEL_TYPES[cfg.model_type]],
-        model_type=cfg.model_type,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        rope_scaling=None if rope_type == "default" else scaling,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=list(cfg.eos_token_id) if len(cfg.eos_token_id) != 1 else cfg.eos_token_id[0],
-        pad_token_id=cfg.pad_token_id,
-    )
-    if cfg.model_type != "qwen2":
-        hf["attention_bias"] = cfg.attention_bias
-    if cfg.model_type == "llama":
-        hf["mlp_bias"] = cfg.mlp_bias
-    return hf
-
-
-def _gemma_config_to_hf(cfg: ml_collections.FrozenConfigDict) -> dict:
-    """config.json of a Gemma3 text model (transformers >= 5: ``rope_parameters`` per layer type)."""
-    rope = {FULL: dict(cfg.rope_scaling, rope_theta=cfg.rope_theta),
-            SLIDING: dict(cfg.local_rope_scaling, rope_theta=cfg.local_rope_theta)}
+def _common_hf_fields(cfg: ml_collections.FrozenConfigDict) -> dict:
+    """The config.json fields every family writes the same way."""
     return dict(
         architectures=[MODEL_TYPES[cfg.model_type]],
         model_type=cfg.model_type,
@@ -224,17 +189,34 @@ def _gemma_config_to_hf(cfg: ml_collections.FrozenConfigDict) -> dict:
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim,
-        hidden_activation=cfg.hidden_act,
         rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters=rope,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.attention_bias,
-        query_pre_attn_scalar=cfg.query_pre_attn_scalar,
-        sliding_window=cfg.sliding_window,
-        layer_types=list(cfg.layer_types),
-        final_logit_softcapping=cfg.final_logit_softcapping,
         bos_token_id=cfg.bos_token_id,
         eos_token_id=list(cfg.eos_token_id) if len(cfg.eos_token_id) != 1 else cfg.eos_token_id[0],
         pad_token_id=cfg.pad_token_id,
     )
+
+
+def model_config_to_hf(cfg: ml_collections.FrozenConfigDict) -> dict:
+    """The Hugging Face config.json dict that transformers loads for this model."""
+    hf = _common_hf_fields(cfg)
+    if cfg.model_type == "gemma3_text":  # transformers >= 5: rope_parameters per layer type
+        hf.update(
+            hidden_activation=cfg.hidden_act,
+            rope_parameters={FULL: dict(cfg.rope_scaling, rope_theta=cfg.rope_theta),
+                             SLIDING: dict(cfg.local_rope_scaling, rope_theta=cfg.local_rope_theta)},
+            attention_bias=cfg.attention_bias,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            sliding_window=cfg.sliding_window,
+            layer_types=list(cfg.layer_types),
+            final_logit_softcapping=cfg.final_logit_softcapping)
+        return hf
+    scaling = dict(cfg.rope_scaling)
+    hf.update(hidden_act="silu", rope_theta=cfg.rope_theta,
+              rope_scaling=None if scaling.get("rope_type", "default") == "default" else scaling)
+    if cfg.model_type != "qwen2":
+        hf["attention_bias"] = cfg.attention_bias
+    if cfg.model_type == "llama":
+        hf["mlp_bias"] = cfg.mlp_bias
+    return hf

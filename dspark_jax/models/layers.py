@@ -334,8 +334,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
-        self.scale = cfg.get("query_pre_attn_scalar", hd) ** -0.5
-        norm_offset = cfg.get("norm_offset", 0.0)
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        norm_offset = cfg.norm_offset
         self.q_proj = Linear(d, h * hd, names=("embed", "q_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
         self.k_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
         self.v_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
