@@ -1,6 +1,6 @@
 """Model configuration: Hugging Face ``config.json`` <-> one frozen ml-collections schema.
 
-The target decoder family (Llama, Qwen2, Qwen3, Gemma3) is described by a single
+The target decoder family (Llama, Qwen2, Qwen3, Gemma3, Gemma4) is described by a single
 ``ml_collections.FrozenConfigDict`` with the Hugging Face field names (``vocab_size``,
 ``hidden_size``, ``num_hidden_layers``, ...) plus derived switches that say where the families
 differ:
@@ -15,6 +15,13 @@ differ:
   ``layer_types`` ("full_attention" / "sliding_attention" per layer), ``sliding_window``
   (a sliding layer's query sees the keys of its last ``sliding_window`` positions) and the
   sliding layers' own rope (``local_rope_theta``, ``local_rope_scaling``).
+* Gemma4's (dense text models): plain-weight norms (``norm_offset`` 0), values RMS-normed without
+  a scale (``v_norm``), a ``layer_scalar`` [1] multiplying each layer's output, scores unscaled
+  (``query_pre_attn_scalar`` 1), and full-attention layers of their own shape:
+  ``global_head_dim``, ``num_global_key_value_heads`` and ``attention_k_eq_v`` (the values are
+  the keys' projection), with a "proportional" partial rope. Elsewhere the global fields equal
+  the plain ones; :func:`attention_dims` gives a layer type's, :func:`layer_groups` the layers
+  that share one parameter shape.
 
 Frozen configs are hashable, so they serve as static arguments of jitted functions.
 """
@@ -30,12 +37,19 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma4ForCausalLM": "gemma4_text",
 }
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+GEMMA_FAMILY = ("gemma3_text", "gemma4_text")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
 GEMMA_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' Gemma3 defaults
+# transformers' Gemma4 defaults for what a config.json leaves out.
+GEMMA4_ROPE = {FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25},
+               SLIDING: {"rope_type": "default"}}
+GEMMA4_GLOBAL_HEAD_DIM = 512
+GEMMA4_PER_LAYER_INPUT = 256  # hidden_size_per_layer_input: per-layer embeddings (PLE)
 
 
 class UnsupportedModelError(ValueError):
@@ -53,10 +67,14 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict]:
     return float(theta), _rope_scaling(dict(hf.get("rope_scaling") or {}) or params)
 
 
-def _gemma_rope_from_hf(hf: Mapping[str, Any], layer_type: str) -> tuple[float, dict]:
-    """(rope_theta, scaling) of one Gemma3 layer type, from ``rope_parameters[layer_type]``
-    (transformers >= 5) or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (older)."""
+def _gemma_rope_from_hf(hf: Mapping[str, Any], layer_type: str, model_type: str
+                        ) -> tuple[float, dict]:
+    """(rope_theta, scaling) of one Gemma3 / Gemma4 layer type, from ``rope_parameters[layer_type]``
+    (transformers >= 5) or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (older
+    Gemma3)."""
     params = dict((hf.get("rope_parameters") or {}).get(layer_type) or {})
+    if not params and model_type == "gemma4_text":
+        params = dict(GEMMA4_ROPE[layer_type])
     old_theta = hf.get("rope_theta") if layer_type == FULL else hf.get("rope_local_base_freq")
     theta = params.pop("rope_theta", old_theta or GEMMA_THETA[layer_type])
     if not params and layer_type == FULL:
@@ -95,7 +113,10 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
         )
-    gemma = model_type == "gemma3_text"
+    gemma = model_type in GEMMA_FAMILY
+    gemma4 = model_type == "gemma4_text"
+    if gemma4:
+        _check_gemma4_dense(hf)
     if hf.get("use_sliding_window") and not gemma:
         raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
     if hf.get("use_bidirectional_attention"):
@@ -115,11 +136,13 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     num_layers = int(hf["num_hidden_layers"])
     if gemma:
-        theta, scaling = _gemma_rope_from_hf(hf, FULL)
-        local_theta, local_scaling = _gemma_rope_from_hf(hf, SLIDING)
+        theta, scaling = _gemma_rope_from_hf(hf, FULL, model_type)
+        local_theta, local_scaling = _gemma_rope_from_hf(hf, SLIDING, model_type)
         layer_types = tuple(hf.get("layer_types") or (
             SLIDING if (i + 1) % int(hf.get("sliding_window_pattern") or 6) else FULL
             for i in range(num_layers)))
+        if gemma4 and layer_types:  # transformers forces the last Gemma4 layer to full attention
+            layer_types = layer_types[:-1] + (FULL,)
     else:
         theta, scaling = _rope_from_hf(hf)
         local_theta, local_scaling = theta, scaling
@@ -133,6 +156,9 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
         raise UnsupportedModelError(f"sliding layers need a positive sliding_window, got "
                                     f"{sliding_window!r}")
     attention_bias = bool(hf.get("attention_bias", False))
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    global_kv_heads, global_head_dim, k_eq_v = ((kv_heads, head_dim, False) if not gemma4 else
+                                                _gemma4_global_dims(hf, layer_types, kv_heads, head_dim))
     eos = hf.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ml_collections.FrozenConfigDict(
@@ -143,23 +169,29 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
             intermediate_size=int(hf["intermediate_size"]),
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
+            num_global_key_value_heads=global_kv_heads,
+            global_head_dim=global_head_dim,
+            attention_k_eq_v=k_eq_v,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma4)),
             attention_bias=attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3",) + GEMMA_FAMILY,
+            v_norm=gemma4,
+            layer_scalar=gemma4,
             hidden_act=hidden_act,
-            norm_offset=1.0 if gemma else 0.0,
+            norm_offset=1.0 if gemma and not gemma4 else 0.0,
             embed_scale=gemma,
             sandwich_norms=gemma,
-            query_pre_attn_scalar=(hf.get("query_pre_attn_scalar") or head_dim) if gemma else head_dim,
+            query_pre_attn_scalar=(1.0 if gemma4 else (hf.get("query_pre_attn_scalar") or head_dim)
+                                   if gemma else head_dim),
             final_logit_softcapping=_cap(hf.get("final_logit_softcapping")),
             layer_types=layer_types,
             sliding_window=sliding_window,
@@ -170,6 +202,60 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
             pad_token_id=hf.get("pad_token_id"),
         )
     )
+
+
+def _check_gemma4_dense(hf: Mapping[str, Any]) -> None:
+    """Raises UnsupportedModelError for the Gemma4 options of the small and MoE models."""
+    if int(hf.get("hidden_size_per_layer_input", GEMMA4_PER_LAYER_INPUT) or 0):
+        raise UnsupportedModelError("Gemma4 per-layer embeddings (hidden_size_per_layer_input > 0, "
+                                    "the E2B / E4B models) are not supported; dense text models only")
+    if int(hf.get("num_kv_shared_layers") or 0):
+        raise UnsupportedModelError("Gemma4 KV sharing across layers (num_kv_shared_layers > 0) is "
+                                    "not supported")
+    if hf.get("enable_moe_block"):
+        raise UnsupportedModelError("Gemma4 mixture-of-experts blocks (enable_moe_block) are not "
+                                    "supported; dense text models only")
+
+
+def _gemma4_global_dims(hf: Mapping[str, Any], layer_types, kv_heads: int, head_dim: int
+                        ) -> tuple[int, int, bool]:
+    """(kv heads, head dim, k_eq_v) of Gemma4's full-attention layers, from ``global_head_dim`` /
+    ``num_global_key_value_heads`` (the released configs) or ``per_layer_config`` (what
+    transformers 5.24 writes), as Gemma4TextConfig resolves them."""
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    if hf.get("per_layer_config") is not None:  # the overrides, {} where none differs
+        per_layer = {int(i): dict(v) for i, v in hf["per_layer_config"].items()}
+        full = {i for i, t in enumerate(layer_types) if t == FULL}
+        overrides = {tuple(sorted(per_layer.get(i, {}).items())) for i in full}
+        if set(per_layer) - full or len(overrides) > 1:
+            raise UnsupportedModelError(
+                "per_layer_config must give every full-attention layer the same head_dim / "
+                f"num_key_value_heads and no sliding layer any; got {hf['per_layer_config']}")
+        shape = dict(overrides.pop()) if overrides else {}
+        return (int(shape.get("num_key_value_heads", kv_heads)),
+                int(shape.get("head_dim", head_dim)), k_eq_v)
+    global_kv = hf.get("num_global_key_value_heads") if k_eq_v else None
+    return (int(global_kv or kv_heads), int(hf.get("global_head_dim") or GEMMA4_GLOBAL_HEAD_DIM),
+            k_eq_v)
+
+
+def attention_dims(cfg, layer_type: str = FULL) -> tuple[int, int, bool]:
+    """(kv heads, head dim, k_eq_v) of a layer type's attention: Gemma4's full layers have their
+    own; every other layer has ``num_key_value_heads`` and ``head_dim`` and its own values."""
+    if layer_type == FULL:
+        return cfg.num_global_key_value_heads, cfg.global_head_dim, cfg.attention_k_eq_v
+    return cfg.num_key_value_heads, cfg.head_dim, False
+
+
+def layer_groups(cfg) -> tuple[tuple[int, ...], ...]:
+    """The layer ids of each group of layers with one parameter shape, in order: every layer in
+    one group, or (sliding, full) when the two types' :func:`attention_dims` differ (Gemma4)."""
+    ids = range(cfg.num_hidden_layers)
+    types = cfg.layer_types
+    if SLIDING not in types or FULL not in types or (
+            attention_dims(cfg, FULL) == attention_dims(cfg, SLIDING)):
+        return (tuple(ids),)
+    return tuple(tuple(i for i in ids if types[i] == t) for t in (SLIDING, FULL))
 
 
 def _cap(value) -> float | None:
@@ -201,16 +287,22 @@ def _common_hf_fields(cfg: ml_collections.FrozenConfigDict) -> dict:
 def model_config_to_hf(cfg: ml_collections.FrozenConfigDict) -> dict:
     """The Hugging Face config.json dict that transformers loads for this model."""
     hf = _common_hf_fields(cfg)
-    if cfg.model_type == "gemma3_text":  # transformers >= 5: rope_parameters per layer type
+    if cfg.model_type in GEMMA_FAMILY:  # transformers >= 5: rope_parameters per layer type
         hf.update(
             hidden_activation=cfg.hidden_act,
             rope_parameters={FULL: dict(cfg.rope_scaling, rope_theta=cfg.rope_theta),
                              SLIDING: dict(cfg.local_rope_scaling, rope_theta=cfg.local_rope_theta)},
             attention_bias=cfg.attention_bias,
-            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
             sliding_window=cfg.sliding_window,
             layer_types=list(cfg.layer_types),
             final_logit_softcapping=cfg.final_logit_softcapping)
+        if cfg.model_type == "gemma3_text":
+            hf["query_pre_attn_scalar"] = cfg.query_pre_attn_scalar
+        else:
+            hf.update(global_head_dim=cfg.global_head_dim,
+                      num_global_key_value_heads=cfg.num_global_key_value_heads,
+                      attention_k_eq_v=cfg.attention_k_eq_v, hidden_size_per_layer_input=0,
+                      num_kv_shared_layers=0, enable_moe_block=False)
         return hf
     scaling = dict(cfg.rope_scaling)
     hf.update(hidden_act="silu", rope_theta=cfg.rope_theta,

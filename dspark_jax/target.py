@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from dspark_jax.checkpoints import hf, orbax_params, registry
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
-from dspark_jax.model_config import model_config_from_hf, model_config_to_hf
+from dspark_jax.model_config import layer_groups, model_config_from_hf, model_config_to_hf
 from dspark_jax.models.decoder import Decoder
 from dspark_jax import sharding
 
@@ -105,13 +105,14 @@ class Target:
 
     def torch_tensors(self):
         return hf.iter_torch_tensors(self.state, prefix=HF_PREFIX, overrides=HF_OVERRIDES,
-                                     transposed=HF_TRANSPOSED)
+                                     transposed=HF_TRANSPOSED, layer_ids=layer_ids(self.config))
 
     def save_hf(self, folder: str | os.PathLike) -> Path:
         """Writes a Hugging Face folder (config.json, safetensors, tokenizer) atomically."""
         def write(tmp: Path):
             hf_config = dict(self.hf_config)
-            hf_config.pop("rope_parameters", None)  # written again where the family uses it
+            for key in ("rope_parameters", "per_layer_config"):  # written again where used
+                hf_config.pop(key, None)
             hf_config.update(model_config_to_hf(self.config))
             hf_config.pop("quantization_config", None)
             hf_config["torch_dtype"] = hf_config["dtype"] = str(np.dtype(self.dtype))
@@ -158,6 +159,11 @@ def init_target(hf_config: dict, *, dtype=None, seed: int = 0, tokenizer=None) -
                   hf_config=hf_config)
 
 
+def layer_ids(config) -> dict[str, tuple[int, ...]]:
+    """The layer ids of each stack of the decoder (``hf.layer_id``)."""
+    return dict(zip(hf.STACKS, layer_groups(config)))
+
+
 def _load_tokenizer(folder: Path):
     if not any((folder / f).exists() for f in TOKENIZER_FILES):
         return None
@@ -174,7 +180,8 @@ def _from_source(hf_config: dict, source: hf.TensorSource, dtype, tokenizer, nam
     with tqdm(total=count, desc=f"loading {name}", unit="tensor", leave=False,
               disable=count < 8) as bar:
         state = hf.load_params(abstract, source, prefix=HF_PREFIX, overrides=HF_OVERRIDES,
-                               transposed=HF_TRANSPOSED, dtype=dtype, progress=bar)
+                               transposed=HF_TRANSPOSED, dtype=dtype, progress=bar,
+                               layer_ids=layer_ids(config))
     state = sharding.shard_state(state)
     return Target(config, state, graphdef, tokenizer=tokenizer, hf_config=hf_config, name=name)
 

@@ -59,7 +59,8 @@ def randomize_torch_model(model, seed: int = 0) -> None:
     """Re-initialises a transformers model so that every weight matters.
 
     Linear / embedding weights get unit-variance activations (std 1/sqrt(fan_in)), norm weights
-    are drawn around 1 (not all ones, so the norms are tested), biases are nonzero.
+    are drawn around 1 (not all ones, so the norms are tested), biases are nonzero, and so are
+    Gemma4's ``layer_scalar`` buffers.
     """
     import torch
 
@@ -74,6 +75,9 @@ def randomize_torch_model(model, seed: int = 0) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        for name, b in model.named_buffers():  # Gemma4's stored per-layer output scale
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
 
 
 @pytest.fixture(scope="session")

@@ -36,10 +36,22 @@ def test_greedy_matches_full_forward_reference(target):
     assert result.token_ids == greedy_reference(target, prompt, 12)
 
 
-def test_gemma3_greedy_matches_full_forward_reference():
+GEMMA3 = dict(TINY, architectures=["Gemma3ForCausalLM"], sliding_window=3,
+              layer_types=["sliding_attention", "full_attention"])
+# Full layers of their own shape: two stacks, a cache of two groups in the engine.
+GEMMA4 = dict(GEMMA3, architectures=["Gemma4ForCausalLM"], global_head_dim=16,
+              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+              final_logit_softcapping=5.0, num_hidden_layers=3,
+              layer_types=["sliding_attention", "full_attention", "full_attention"])
+
+
+# Gemma3's sliding layers run in the default suite too (parity, ragged forward); Gemma4's
+# engine path covers the same windows and more.
+@pytest.mark.parametrize("config", [pytest.param(GEMMA3, marks=pytest.mark.slow), GEMMA4],
+                         ids=["gemma3", "gemma4"])
+def test_gemma_greedy_matches_full_forward_reference(config):
     """Sliding layers with a 3-token window through the engine's cache equal full forwards."""
-    gemma = init_target(dict(TINY, architectures=["Gemma3ForCausalLM"], sliding_window=3,
-                             layer_types=["sliding_attention", "full_attention"]), seed=2)
+    gemma = init_target(config, seed=2)
     prompts = [[5, 9, 11, 7, 30, 31], [17, 4]]
     results = dspark_jax.generate(gemma, prompts, max_new_tokens=12)
     assert [r.token_ids for r in results] == [greedy_reference(gemma, p, 12) for p in prompts]

@@ -48,7 +48,9 @@ LAYOUTS = ("deepspec", "dflash", "orbax")
 ORBAX_MARKER = "dspark_drafter.json"
 MASK_KEY = "mask_embedding"
 OVERRIDES = {("mask_embedding",): MASK_KEY}
-FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3",
+                "gemma4_text": "Gemma4"}
+LAYER_SCALAR = "layers.{}.layer_scalar"  # DeepSpec's Gemma4 drafter: a buffer of ones [1]
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the deepspec layout's copies
 COMPARE_ROWS = 4096  # rows per float32 chunk when a copy is compared with the target's
@@ -59,12 +61,24 @@ COMPARE_ROWS = 4096  # rows per float32 chunk when a copy is compared with the t
 
 def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenConfigDict:
     """The draft layers' architecture: the target's config with ``num_layers`` full-attention
-    layers (a draft block sees its whole context, also over a sliding-window target)."""
+    layers (a draft block sees its whole context, also over a sliding-window target; over
+    Gemma4, with the target's full-layer shape) and no per-layer scalar (DeepSpec's Gemma4
+    drafter holds one as a buffer of ones that training never changes)."""
     fields = target_config.as_configdict().to_dict()
     fields["num_hidden_layers"] = int(num_layers)
     fields["layer_types"] = (FULL,) * int(num_layers)
     fields["sliding_window"] = None
-    return ml_collections.FrozenConfigDict(fields)
+    fields["tie_word_embeddings"] = False  # as DeepSpec's draft config (its lm_head is a copy)
+    return _without_layer_scalar(ml_collections.FrozenConfigDict(fields))
+
+
+def _without_layer_scalar(model_cfg) -> ml_collections.FrozenConfigDict:
+    """The draft layers keep no per-layer scalar: DeepSpec's Gemma4 drafter registers one as a
+    buffer of ones that training never changes; the deepspec layout writes it as such
+    (:func:`drafter_tensors`) and a reader checks it (:func:`_check_layer_scalars`)."""
+    if not model_cfg.layer_scalar:
+        return model_cfg
+    return ml_collections.FrozenConfigDict(dict(model_cfg.as_configdict().to_dict(), layer_scalar=False))
 
 
 def abstract_drafter(model_cfg, cfg, dtype):
@@ -99,7 +113,7 @@ def _family_config(hf_config: dict, target_config) -> ml_collections.FrozenConfi
     fields = dict(hf_config, architectures=[MODEL_TYPES[model_type]], model_type=model_type)
     fields.pop("dflash_config", None)
     try:
-        return model_config_from_hf(fields)
+        return _without_layer_scalar(model_config_from_hf(fields))
     except ValueError as e:
         raise CheckpointError(f"drafter config.json: {e}") from e
 
@@ -193,6 +207,9 @@ def drafter_tensors(layout: str, cfg, state: nnx.State, target_state: nnx.State 
     it takes them from the target anyway).
     """
     tensors = dict(hf.iter_torch_tensors(state, prefix="", overrides=OVERRIDES))
+    if layout == "deepspec" and target_config.layer_scalar:
+        dtype = tensors["fc.weight"].dtype
+        tensors.update({LAYER_SCALAR.format(i): np.ones((1,), dtype) for i in range(cfg.num_layers)})
     if layout == "deepspec" and target_state is not None:
         embed = np.array(target_tensor("embed_tokens.weight", target_state, target_config))
         if cfg.trainable_mask_embedding:
@@ -276,7 +293,19 @@ def tensor_shapes(layout: str, cfg, state: nnx.State, target_config) -> dict[str
     if layout == "deepspec":
         vocab_by_hidden = (target_config.vocab_size, target_config.hidden_size)
         shapes["embed_tokens.weight"] = shapes["lm_head.weight"] = vocab_by_hidden
+        if target_config.layer_scalar:
+            shapes.update({LAYER_SCALAR.format(i): (1,) for i in range(cfg.num_layers)})
     return shapes
+
+
+def _check_layer_scalars(source: hf.TensorSource, num_layers: int) -> None:
+    """A deepspec folder's per-layer scalars (Gemma4) must be the ones DeepSpec never trains."""
+    for i in range(num_layers):
+        key = LAYER_SCALAR.format(i)
+        if key in source and not np.all(np.asarray(source.get(key), np.float32) == 1.0):
+            raise CheckpointError(
+                f"the drafter's {key} is {np.asarray(source.get(key)).tolist()}, not 1: DeepSpec's "
+                "drafters keep it at 1 and dspark-jax draft layers have no per-layer scalar")
 
 
 def _check_heads(cfg, source: hf.TensorSource) -> None:
@@ -376,6 +405,7 @@ def load(folder: str | os.PathLike, target_config, dtype=None):
     check_target_fit(model_cfg, cfg, target_config, num_target_layers=num_target_layers)
     source = hf.SafetensorsFolder(folder)
     _check_heads(cfg, source)
+    _check_layer_scalars(source, cfg.num_layers)
     dtype = dtype or jnp.float32
     graphdef, abstract = abstract_drafter(model_cfg, cfg, dtype)
     state = hf.load_params(abstract, source, prefix="", overrides=OVERRIDES, dtype=dtype)
@@ -385,7 +415,7 @@ def load(folder: str | os.PathLike, target_config, dtype=None):
 def _load_orbax(folder: Path, target_config, dtype):
     meta = _read_json(folder / ORBAX_MARKER)
     try:
-        model_cfg = model_config_from_hf(meta["model_config"])
+        model_cfg = _without_layer_scalar(model_config_from_hf(meta["model_config"]))
         # Folders written before 2026-12-02 also hold num_anchors, now a train setting.
         cfg = drafter_config(**{k: v for k, v in meta["drafter_config"].items() if k != "num_anchors"})
     except (KeyError, ValueError) as e:

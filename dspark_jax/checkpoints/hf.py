@@ -97,16 +97,28 @@ class SafetensorsFolder(TensorSource):
 # ----------------------------------------------------------------------------- name map
 
 
+# Stacked layer collections: "layers", and Gemma4's full-attention layers stacked apart. Both
+# are the torch model's "layers.N" (``Decoder.global_layers``, ``model_config.layer_groups``).
+STACKS = ("layers", "global_layers")
+
+
 def torch_key(path: tuple, layer: int | None, prefix: str, overrides: Mapping[tuple, str]) -> str:
-    """Torch key of one parameter (one layer of it when ``layer`` is given)."""
+    """Torch key of one parameter (of layer id ``layer`` of a stacked one)."""
     if path in overrides:
         return overrides[path]
     parts = [str(p) for p in path]
     if parts[-1] in ("kernel", "embedding"):
         parts[-1] = "weight"
-    if parts[0] == "layers":
-        parts.insert(1, str(layer))
+    if parts[0] in STACKS:
+        parts[:1] = ["layers", str(layer)]
     return prefix + ".".join(parts)
+
+
+def layer_id(path: tuple, index: int, layer_ids: Mapping[str, Iterable[int]] | None) -> int:
+    """The layer id of entry ``index`` of a stacked parameter: its position in the stack, or
+    ``layer_ids[stack]`` (the layer ids of each stack) when given."""
+    ids = (layer_ids or {}).get(path[0])
+    return index if ids is None else tuple(ids)[index]
 
 
 def is_transposed(path: tuple, overrides_transposed: Iterable[tuple] = ()) -> bool:
@@ -121,12 +133,12 @@ def _flat_params(state: nnx.State) -> dict[tuple, nnx.Variable]:
 def load_params(abstract_state: nnx.State, source: TensorSource, *, prefix: str,
                 overrides: Mapping[tuple, str] = (), transposed: Iterable[tuple] = (),
                 dtype=None, transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
-                progress=None) -> nnx.State:
+                progress=None, layer_ids: Mapping[str, Iterable[int]] | None = None) -> nnx.State:
     """Fills an abstract NNX state (from ``nnx.eval_shape``) from a tensor source.
 
     Every parameter must be present with the right shape; layered parameters are read one
-    layer at a time into one stacked array. Raises CheckpointError naming the missing or
-    misshapen tensor.
+    layer at a time into one stacked array (``layer_ids``: see :func:`layer_id`). Raises
+    CheckpointError naming the missing or misshapen tensor.
     """
     overrides = dict(overrides or {})
     transposed = tuple(transposed)
@@ -135,12 +147,12 @@ def load_params(abstract_state: nnx.State, source: TensorSource, *, prefix: str,
     for path, var in flat.items():
         shape = tuple(var.get_value().shape)
         target_dtype = dtype or var.get_value().dtype
-        layered = path[0] == "layers"
+        layered = path[0] in STACKS
         per_layer = shape[1:] if layered else shape
         count = shape[0] if layered else 1
         out = np.empty(shape, dtype=np.dtype(target_dtype))
         for i in range(count):
-            key = torch_key(path, i if layered else None, prefix, overrides)
+            key = torch_key(path, layer_id(path, i, layer_ids) if layered else None, prefix, overrides)
             if key not in source:
                 raise CheckpointError(f"missing tensor {key!r} in the checkpoint")
             tensor = source.get(key)
@@ -167,17 +179,19 @@ def load_params(abstract_state: nnx.State, source: TensorSource, *, prefix: str,
 
 
 def iter_torch_tensors(state: nnx.State, *, prefix: str, overrides: Mapping[tuple, str] = (),
-                       transposed: Iterable[tuple] = ()):
+                       transposed: Iterable[tuple] = (),
+                       layer_ids: Mapping[str, Iterable[int]] | None = None):
     """Yields (torch key, numpy array in torch layout) for every parameter of a state."""
     overrides = dict(overrides or {})
     for path, var in _flat_params(state).items():
         array = np.asarray(jax.device_get(var.get_value()))
-        layered = path[0] == "layers"
+        layered = path[0] in STACKS
         for i in range(array.shape[0] if layered else 1):
             tensor = array[i] if layered else array
             if is_transposed(path, transposed):
                 tensor = tensor.T
-            yield torch_key(path, i if layered else None, prefix, overrides), np.ascontiguousarray(tensor)
+            yield (torch_key(path, layer_id(path, i, layer_ids) if layered else None, prefix, overrides),
+                   np.ascontiguousarray(tensor))
 
 
 def write_safetensors(tensors: Mapping[str, np.ndarray], folder: Path,

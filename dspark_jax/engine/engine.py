@@ -252,8 +252,7 @@ class Engine:
         def empty_state(key):
             d_cache = None if drafter is None else drafter.model.init_cache(slots, max_len)
             caches = round_lib.Caches(
-                KVCache.zeros(cfg.num_hidden_layers, slots, max_len, cfg.num_key_value_heads,
-                              cfg.head_dim, target.dtype), d_cache)
+                KVCache.for_model(cfg, slots, max_len, target.dtype), d_cache)
             return round_lib.laid_out(
                 round_lib.Slots.empty(slots, self.num_proposals, cfg.vocab_size, max_len, key,
                                       record_rounds), caches)

@@ -1,9 +1,12 @@
-"""The target decoder family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
+"""The target decoder family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm),
 Gemma3 (scaled embeddings, 1 + weight norms around attention and MLP, tanh-GELU MLP, sliding
-window layers with their own rope, logit soft-capping).
+window layers with their own rope, logit soft-capping) and Gemma4 (Gemma3's layout with plain
+norms, a value norm, a scalar per layer, and full-attention layers of their own shape).
 
 One Flax NNX module whose decoder layers are stacked along a leading ``layers`` axis and run
-with ``jax.lax.scan``, so compile time does not grow with depth. The forward pass returns the
+with ``jax.lax.scan``, so compile time does not grow with depth. When the full-attention
+layers have a shape of their own (Gemma4), they are stacked apart in ``global_layers``, and
+each run of consecutive layers of one stack is a scan (:func:`run_layers`). The forward pass returns the
 final-normed hidden states, the raw outputs of any tapped layers (the DFlash context features,
 DSPARK_SPEC.md section 3) and the updated KV cache; logits are a separate call so that
 training can run the LM head only where it needs it.
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.model_config import FULL, SLIDING
+from dspark_jax.model_config import FULL, SLIDING, attention_dims, layer_groups
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, attend_cached,
                                       rope_cos_sin, rope_frequencies)
@@ -49,12 +52,12 @@ class DecoderLayer(nnx.Module):
     ``input_layernorm`` gives its input, :meth:`finish` the layer output from its result.
     """
 
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, layer_type: str = FULL):
         def norm():
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, layer_type=layer_type)
         self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs,
                        bias=cfg.mlp_bias, activation=cfg.hidden_act)
@@ -62,6 +65,9 @@ class DecoderLayer(nnx.Module):
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
+        # Gemma4: the layer's output times a stored scalar (a buffer in transformers, frozen here).
+        self.layer_scalar = (_param(None, (1,), dtype, (None,), init="ones")
+                             if cfg.layer_scalar else None)
 
     def finish(self, h: jax.Array, attended: jax.Array) -> jax.Array:
         """The layer output: h [B, T, d] and the attention result [B, T, H, D] -> [B, T, d]."""
@@ -70,7 +76,8 @@ class DecoderLayer(nnx.Module):
             h = h + out
             return h + self.mlp(self.post_attention_layernorm(h))
         h = h + self.post_attention_layernorm(out)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h if self.layer_scalar is None else h * self.layer_scalar[...]
 
 
 def pick(sliding: jax.Array | None, full, slid):
@@ -97,6 +104,78 @@ def causal_mask(q_positions: jax.Array, k_positions: jax.Array,
     return mask
 
 
+def layer_runs(cfg) -> tuple[tuple[int, int, int], ...]:
+    """(group, first, end) of each maximal run of consecutive layers in one group
+    (``model_config.layer_groups``), in layer order; first / end index the group's stack."""
+    groups = layer_groups(cfg)
+    group_of = {i: (g, j) for g, ids in enumerate(groups) for j, i in enumerate(ids)}
+    runs = []
+    for layer in range(cfg.num_hidden_layers):
+        g, j = group_of[layer]
+        if runs and runs[-1][0] == g:
+            runs[-1][2] = j + 1
+        else:
+            runs.append([g, j, j + 1])
+    return tuple(tuple(r) for r in runs)
+
+
+def run_layers(model: "Decoder", body, carry, inputs_of, caches):
+    """Runs the decoder layers in order, each run of consecutive layers of one group
+    (:func:`layer_runs`) as a ``lax.scan`` over its slice of the group's stack.
+
+    Args:
+      model: the decoder.
+      body: ``body(layer, index, inputs, k_cache, v_cache, carry) -> (carry, out)``, one layer:
+        its merged module, its layer id (traced int), its inputs, its cache layer (or None).
+      carry: the scan carry (e.g. hidden states and taps).
+      inputs_of: ``inputs_of(layer_type)`` -> the per-layer-type inputs (rope, masks), a pytree
+        of the same structure for both types while a group mixes them (Gemma3).
+      caches: None, or the cache's (k, v), per group (``KVCache.k`` / ``.v``).
+
+    Returns:
+      (carry, outs): ``outs`` a tuple with, per group, the stacked outputs [L_g, ...] of its
+      layers.
+    """
+    cfg = model.config
+    groups = layer_groups(cfg)
+    stacks = model.layer_stacks
+    if caches is None:
+        caches = ((None,) * len(groups),) * 2
+    k_groups, v_groups = (c if isinstance(c, tuple) else (c,) for c in caches)
+    outs = [[] for _ in groups]
+    for g, first, end in layer_runs(cfg):
+        ids = groups[g][first:end]
+        whole = (first, end) == (0, len(groups[g]))
+
+        def part(x):
+            return x if whole or x is None else x[first:end]
+
+        graphdef, state = nnx.split(stacks[g])
+        types = {cfg.layer_types[i] for i in ids}
+        sliding = None
+        if len(types) == 1:
+            inputs = inputs_of(types.pop())
+        else:  # the scan picks each layer's inputs (traced once, right here)
+            inputs = (inputs_of(FULL), inputs_of(SLIDING))
+            sliding = jnp.asarray([cfg.layer_types[i] == SLIDING for i in ids])
+
+        def step(carry, xs):
+            state, index, is_sliding, k_cache, v_cache = xs
+            layer_inputs = inputs if sliding is None else pick(is_sliding, *inputs)
+            return body(nnx.merge(graphdef, state), index, layer_inputs, k_cache, v_cache, carry)
+
+        carry, out = jax.lax.scan(step, carry, (jax.tree.map(part, state), jnp.asarray(ids), sliding,
+                                                part(k_groups[g]), part(v_groups[g])))
+        outs[g].append(out)
+    return carry, tuple(o[0] if len(o) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *o)
+                        for o in outs)
+
+
+def grouped(parts: tuple):
+    """One array per layer group -> the cache field's form: the array itself for one group."""
+    return parts[0] if len(parts) == 1 else tuple(parts)
+
+
 def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
     """Builds ``num_layers`` layers with parameters stacked along a leading 'layers' axis."""
 
@@ -109,14 +188,20 @@ def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
 
 
 class Decoder(nnx.Module):
-    """Llama / Qwen2 / Qwen3 / Gemma3 causal decoder."""
+    """Llama / Qwen2 / Qwen3 / Gemma3 / Gemma4 causal decoder.
+
+    ``layers`` stacks every layer, or (Gemma4, ``model_config.layer_groups``) the sliding ones,
+    and ``global_layers`` the full-attention ones (None otherwise)."""
 
     def __init__(self, cfg, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         self.dtype = dtype
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = stacked(lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r),
-                              cfg.num_hidden_layers, rngs)
+        stacks = [stacked(lambda r, t=cfg.layer_types[ids[0]]: DecoderLayer(cfg, dtype=dtype, rngs=r,
+                                                                              layer_type=t),
+                          len(ids), rngs) for ids in layer_groups(cfg)]
+        self.layers = stacks[0]
+        self.global_layers = stacks[1] if len(stacks) > 1 else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, offset=cfg.norm_offset)
         self.lm_head = (None if cfg.tie_word_embeddings else
                         _param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, ("embed", "vocab")))
@@ -125,10 +210,14 @@ class Decoder(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """int [B, T] -> [B, T, d] (times sqrt(d) in the parameter dtype for Gemma)."""
-        h = self.embed_tokens(tokens)
+        return self.scale_embedding(self.embed_tokens(tokens))
+
+    def scale_embedding(self, rows: jax.Array) -> jax.Array:
+        """Embedding rows [..., d] as the decoder's input: times sqrt(d) (in their dtype) for
+        Gemma, unchanged otherwise."""
         if self.config.embed_scale:
-            h = h * jnp.asarray(self.config.hidden_size ** 0.5, h.dtype)
-        return h
+            return rows * jnp.asarray(self.config.hidden_size ** 0.5, rows.dtype)
+        return rows
 
     def lm_head_matrix(self) -> jax.Array:
         """The LM head [d, V] (the transposed embedding when tied)."""
@@ -142,19 +231,19 @@ class Decoder(nnx.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
+    @property
+    def layer_stacks(self) -> tuple:
+        """The stacked layers of each layer group (``model_config.layer_groups``)."""
+        return (self.layers,) if self.global_layers is None else (self.layers, self.global_layers)
+
     def rope(self, positions: jax.Array, layer_type: str = FULL):
         """int [B, T] -> (cos, sin) [B, T, D] of the full-attention layers (or of ``layer_type``)."""
         cfg = self.config
         theta, scaling = ((cfg.local_rope_theta, cfg.local_rope_scaling) if layer_type == SLIDING
                           else (cfg.rope_theta, cfg.rope_scaling))
-        inv_freq, scale = rope_frequencies(cfg.head_dim, theta, scaling, cfg.max_position_embeddings)
+        head_dim = attention_dims(cfg, layer_type)[1]
+        inv_freq, scale = rope_frequencies(head_dim, theta, scaling, cfg.max_position_embeddings)
         return rope_cos_sin(positions, inv_freq, scale)
-
-    @property
-    def sliding(self) -> jax.Array | None:
-        """bool [L]: which layers slide (None when none does)."""
-        sliding = np.asarray([t == SLIDING for t in self.config.layer_types])
-        return jnp.asarray(sliding) if sliding.any() else None
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -185,19 +274,18 @@ class Decoder(nnx.Module):
             if not -1 <= layer_id < num_layers:
                 raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
         h = self.embed(tokens)
-        cos, sin = self.rope(positions)
         if mask is None:
             mask = causal_mask(positions, positions, key_valid)
         committed = None
         if cache is not None:
             committed = jnp.arange(cache.num_slots)[None, None, :] < positions[:, :1, None]
             committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
-        sliding = self.sliding
-        full = ((cos, sin), mask, committed)
-        slid = None
-        if sliding is not None:
+
+        def inputs_of(layer_type):  # (rope, mask over the new tokens, mask over the cache)
+            if layer_type == FULL:
+                return self.rope(positions), mask, committed
             window = self.config.sliding_window
-            slid = (self.rope(positions, SLIDING), mask & window_mask(positions, positions, window),
+            return (self.rope(positions, SLIDING), mask & window_mask(positions, positions, window),
                     None if cache is None else
                     committed & window_mask(positions, jnp.arange(cache.num_slots)[None], window))
 
@@ -211,15 +299,12 @@ class Decoder(nnx.Module):
         if -1 in tap_layer_ids:
             taps = taps.at[tap_layer_ids.index(-1)].set(h)
 
-        graphdef, layer_state = nnx.split(self.layers)
         tap_slot = jnp.asarray(tap_slot)
 
-        def step(carry, xs):
+        def step(layer, index, inputs, k_cache, v_cache, carry):
             h, taps = carry
-            state, index, is_sliding, k_cache, v_cache = xs
-            layer = nnx.merge(graphdef, state)
             attn = layer.self_attn
-            (cos_l, sin_l), mask_l, committed_l = pick(is_sliding, full, slid)
+            (cos_l, sin_l), mask_l, committed_l = inputs
             x = layer.input_layernorm(h)
             q = attn.queries(x, cos_l, sin_l)
             k_new, v_new = attn.keys_values(x, cos_l, sin_l)
@@ -234,9 +319,11 @@ class Decoder(nnx.Module):
                 taps = jax.lax.cond(slot >= 0, lambda t: t.at[slot].set(h), lambda t: t, taps)
             return (h, taps), (k_new, v_new) if k_cache is not None else None
 
-        layer_caches = (None, None) if cache is None else (cache.k, cache.v)
-        (h, taps), new_kv = jax.lax.scan(
-            step, (h, taps), (layer_state, jnp.arange(num_layers), sliding) + layer_caches)
+        (h, taps), outs = run_layers(self, step, (h, taps), inputs_of,
+                                     None if cache is None else (cache.k, cache.v))
+        new_kv = None
+        if cache is not None:
+            new_kv = tuple(grouped(tuple(o[i] for o in outs)) for i in (0, 1))
         if cache is not None and write_cache:
             cache, new_kv = cache.write(*new_kv, positions), None
         if taps is not None:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.model_config import attention_dims
 from dspark_jax.models.decoder import Decoder, DecoderLayer, stacked
 from dspark_jax.models.heads import ConfidenceHead, block_bias, make_head
 from dspark_jax.models.kv_cache import KVCache, write_layer
@@ -170,15 +171,17 @@ class DSparkModel(nnx.Module):
     def rope(self, positions: jax.Array):
         """int [b, T] -> (cos, sin) [b, T, D] with the draft config's rope."""
         cfg = self.model_config
-        inv_freq, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+        inv_freq, scale = rope_frequencies(attention_dims(cfg)[1], cfg.rope_theta, cfg.rope_scaling,
                                            cfg.max_position_embeddings)
         return rope_cos_sin(positions, inv_freq, scale)
 
     def mask_vector(self, target: Decoder) -> jax.Array:
-        """The mask-slot embedding [d]: the trained vector or the target's row mask_token_id."""
+        """The mask-slot embedding [d]: the trained vector or the target's row mask_token_id,
+        scaled as the target scales its embeddings (Gemma: times sqrt(d), as DeepSpec embeds
+        the mask token with the target's scaled embedding)."""
         if self.mask_embedding is not None:
-            return self.mask_embedding[...]
-        return target.embed_tokens(jnp.asarray(self.config.mask_token_id))
+            return target.scale_embedding(self.mask_embedding[...])
+        return target.embed(jnp.asarray(self.config.mask_token_id))
 
     def block_embeddings(self, target: Decoder, anchor_tokens: jax.Array,
                          keep: jax.Array | None = None) -> jax.Array:
@@ -196,8 +199,7 @@ class DSparkModel(nnx.Module):
         values [num_layers, batch, K, slots, D])."""
         cfg = self.model_config
         dtype = dtype or self.fc.kernel[...].dtype
-        return KVCache.zeros(self.config.num_layers, batch, slots, cfg.num_key_value_heads,
-                             cfg.head_dim, dtype)
+        return KVCache.zeros(self.config.num_layers, batch, slots, *attention_dims(cfg)[:2], dtype)
 
     def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask, cache=None,
                     ctx_slots=None):

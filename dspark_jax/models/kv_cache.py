@@ -13,6 +13,11 @@ keys are [layers, rows, kv heads, head dim, slots], an [D, S] matrix, the right 
 queries [Q, D] @ keys. With keys stored [S, D] the score matmul contracts both operands on
 their minor dimension, which XLA:CPU ran 3-4x slower than [Q, D] @ [D, S] at batch 32
 (BENCHMARKS.md, issue 19).
+
+A model whose layers come in groups of different shapes (Gemma4: sliding layers with
+``head_dim`` and full layers with ``global_head_dim``; ``model_config.layer_groups``) keeps one
+such pair of arrays per group: ``k`` and ``v`` are then tuples, the group's layers in order, and
+every method works group by group.
 """
 
 from __future__ import annotations
@@ -22,15 +27,26 @@ import jax.numpy as jnp
 from flax import struct
 
 from dspark_jax import sharding
+from dspark_jax.model_config import attention_dims, layer_groups
 
 
 @struct.dataclass
 class KVCache:
     """k: [L, B, K, D, S] and v: [L, B, K, S, D] for L layers, B rows, K kv heads, D head dim,
-    S slots."""
+    S slots (or tuples of them, one per layer group)."""
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
+
+    @classmethod
+    def for_model(cls, cfg, batch: int, slots: int, dtype) -> "KVCache":
+        """An empty cache for a decoder config: one pair of arrays, or one per layer group."""
+        groups = layer_groups(cfg)
+        parts = [cls.zeros(len(ids), batch, slots, *attention_dims(cfg, cfg.layer_types[ids[0]])[:2],
+                           dtype) for ids in groups]
+        if len(parts) == 1:
+            return parts[0]
+        return cls(tuple(p.k for p in parts), tuple(p.v for p in parts))
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
@@ -46,18 +62,26 @@ class KVCache:
         """Inside jit under a mesh: rows sharded over the data axes, kv heads over the tensor
         axis (a no-op without a mesh)."""
         names = (None, "batch", "kv_heads", None, None)
-        return KVCache(sharding.constrain(self.k, names), sharding.constrain(self.v, names))
+        return jax.tree.map(lambda x: sharding.constrain(x, names), self)
 
     @property
     def num_slots(self) -> int:
-        return self.v.shape[3]
+        return jax.tree.leaves(self.v)[0].shape[3]
+
+    @property
+    def num_rows(self) -> int:
+        return jax.tree.leaves(self.v)[0].shape[1]
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.v)[0].dtype
 
     def write(self, k_new: jax.Array, v_new: jax.Array, positions: jax.Array,
               rows: jax.Array | None = None) -> "KVCache":
         """Scatters new entries of every layer: k_new, v_new [L, B, T, K, D] (token-major, as
-        the layers compute them) at slots ``positions`` int [B, T] of cache rows ``rows`` int [B]
-        (default 0..B-1); positions >= S and rows beyond the cache are dropped. In place inside
-        a loop carry."""
+        the layers compute them; tuples of them for a grouped cache) at slots ``positions``
+        int [B, T] of cache rows ``rows`` int [B] (default 0..B-1); positions >= S and rows
+        beyond the cache are dropped. In place inside a loop carry."""
         if rows is None:
             rows = jnp.arange(positions.shape[0])
         rows = rows[:, None]
@@ -66,14 +90,14 @@ class KVCache:
             return cache.at[index].set(jnp.moveaxis(new, 0, 2).astype(cache.dtype), mode="drop")
 
         s = slice(None)
-        return KVCache(put(self.k, k_new, (s, rows, s, s, positions)),
-                       put(self.v, v_new, (s, rows, s, positions)))
+        return KVCache(jax.tree.map(lambda c, n: put(c, n, (s, rows, s, s, positions)), self.k, k_new),
+                       jax.tree.map(lambda c, n: put(c, n, (s, rows, s, positions)), self.v, v_new))
 
     def set_rows(self, new: "KVCache", rows: jax.Array) -> "KVCache":
         """Replaces whole rows: ``new`` (a cache of B rows) into cache rows ``rows`` int [B]
         (rows beyond the cache are dropped)."""
-        return KVCache(*(full.at[:, rows].set(part.astype(full.dtype), mode="drop")
-                         for full, part in ((self.k, new.k), (self.v, new.v))))
+        return jax.tree.map(lambda full, part: full.at[:, rows].set(part.astype(full.dtype), mode="drop"),
+                            self, new)
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,

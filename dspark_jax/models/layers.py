@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.model_config import FULL, attention_dims
+
 INIT_STD = 0.02
 
 
@@ -41,15 +43,20 @@ class RMSNorm(nnx.Module):
     (transformers' Gemma3RMSNorm); the stored weight then starts at zeros.
     """
 
-    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "norm", offset: float = 0.0):
+    def __init__(self, dim: int, eps: float, *, dtype, axis_name: str = "norm", offset: float = 0.0,
+                 with_scale: bool = True):
         self.eps = eps
         self.offset = offset
-        self.weight = _param(None, (dim,), dtype, (axis_name,), init="zeros" if offset else "ones")
+        self.weight = (_param(None, (dim,), dtype, (axis_name,), init="zeros" if offset else "ones")
+                       if with_scale else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., dim] -> [..., dim] in x.dtype."""
+        """x: [..., dim] -> [..., dim] in x.dtype (without a weight: only normalised, as
+        Gemma4's value norm)."""
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.weight is None:
+            return xf.astype(x.dtype)
         if self.offset:
             return (xf * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * xf.astype(x.dtype)
@@ -105,13 +112,19 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict,
     """Inverse frequencies [D/2] and the cos/sin scale, as transformers computes them.
 
     Supports rope_type "default", "linear", "llama3" and "yarn" (the types used by Llama 3.x,
-    Qwen2 and Qwen3 checkpoints).
+    Qwen2 and Qwen3 checkpoints) and Gemma4's "proportional": only the first
+    ``partial_rotary_factor`` of the frequencies rotate (the exponents still over head_dim); the
+    others are 0, so those dimensions keep their values.
     """
     scaling = dict(scaling or {})
     rope_type = scaling.get("rope_type", "default")
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if rope_type == "default":
         return inv_freq.astype(np.float32), 1.0
+    if rope_type == "proportional":
+        rotated = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq = np.where(np.arange(head_dim // 2) < rotated, inv_freq, 0.0)
+        return (inv_freq / scaling.get("factor", 1.0)).astype(np.float32), 1.0
     factor = float(scaling["factor"])
     if rope_type == "linear":
         return (inv_freq / factor).astype(np.float32), 1.0
@@ -324,29 +337,32 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
 
 
 class Attention(nnx.Module):
-    """Projections of a Llama / Qwen2 / Qwen3 / Gemma3 attention layer (q/k/v bias, per-head q/k
-    norm), with the scale of its attention scores (``scale``: query_pre_attn_scalar ** -1/2).
+    """Projections of a Llama / Qwen2 / Qwen3 / Gemma3 / Gemma4 attention layer (q/k/v bias,
+    per-head q/k norm; Gemma4's value norm and, on its full layers, values from the key
+    projection), with the scale of its attention scores (``scale``: query_pre_attn_scalar ** -1/2).
 
     The attention core is :func:`attend`, so the target and the drafter (whose keys also come
     from injected context features) share every weight layout.
     """
 
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
-        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, layer_type: str = FULL):
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        kv, hd, k_eq_v = attention_dims(cfg, layer_type)
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, hd
         self.scale = cfg.query_pre_attn_scalar ** -0.5
-        norm_offset = cfg.norm_offset
         self.q_proj = Linear(d, h * hd, names=("embed", "q_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
         self.k_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
-        self.v_proj = Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs, bias=cfg.qkv_bias)
+        self.v_proj = (None if k_eq_v else
+                       Linear(d, kv * hd, names=("embed", "kv_heads"), dtype=dtype, rngs=rngs,
+                              bias=cfg.qkv_bias))
         self.o_proj = Linear(h * hd, d, names=("q_heads", "embed"), dtype=dtype, rngs=rngs, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim",
-                                  offset=norm_offset)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim",
-                                  offset=norm_offset)
-        else:
-            self.q_norm = self.k_norm = None
+
+        def head_norm(with_scale=True):
+            return RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim",
+                           offset=cfg.norm_offset, with_scale=with_scale)
+
+        self.q_norm, self.k_norm = (head_norm(), head_norm()) if cfg.qk_norm else (None, None)
+        self.v_norm = head_norm(with_scale=False) if cfg.v_norm else None
 
     def queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         """x [B, T, d] -> rotated queries [B, T, H, D]."""
@@ -358,9 +374,11 @@ class Attention(nnx.Module):
     def keys_values(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
         """x [B, T, d] -> (rotated keys, values), each [B, T, K, D]."""
         k = self.k_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
+        v = k if self.v_proj is None else self.v_proj(x).reshape(k.shape)
         if self.k_norm is not None:
             k = self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         return apply_rope(k, cos, sin), v
 
     def output(self, attended: jax.Array) -> jax.Array:

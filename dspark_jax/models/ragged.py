@@ -22,10 +22,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from dspark_jax.model_config import SLIDING
-from dspark_jax.models.decoder import Decoder, pick, window_mask
+from dspark_jax.model_config import FULL, SLIDING
+from dspark_jax.models.decoder import Decoder, grouped, run_layers, window_mask
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import attend, attend_cached
 
@@ -33,8 +32,8 @@ from dspark_jax.models.layers import attend, attend_cached
 class RaggedOutput(NamedTuple):
     hidden: jax.Array  # [T, d] after the final norm
     taps: jax.Array | None  # [T, m*d] raw outputs of the tapped layers, in tap order
-    new_k: jax.Array  # [L, S, Q, K, D] keys of the new tokens in the row grid (zeros elsewhere)
-    new_v: jax.Array  # [L, S, Q, K, D]
+    new_k: jax.Array | tuple  # [L, S, Q, K, D] keys of the new tokens in the row grid (zeros
+    new_v: jax.Array | tuple  # elsewhere), and values; per layer group as the cache's fields
 
 
 def to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width: int):
@@ -69,25 +68,24 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     Returns:
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
     """
-    num_rows = cache.k.shape[1]
+    num_rows = cache.num_rows
     num_slots = cache.num_slots if view is None else min(view, cache.num_slots)
     num_layers = model.config.num_hidden_layers
     for layer_id in tap_layer_ids:
         if not -1 <= layer_id < num_layers:
             raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
     h = model.embed(tokens[None])  # [1, T, d]
-    cos, sin = model.rope(positions[None])
     cached = jnp.broadcast_to(jnp.arange(num_slots)[None, None, :] < starts[:, None, None],
                               (num_rows, width, num_slots))
     causal = jnp.broadcast_to(jnp.arange(width)[None, :] <= jnp.arange(width)[:, None],
                               (num_rows, width, width))
-    sliding = model.sliding
-    full = ((cos, sin), cached, causal)
-    slid = None
-    if sliding is not None:  # a grid token (row, col) is at position starts[row] + col
-        window = model.config.sliding_window
+
+    def inputs_of(layer_type):  # (rope, mask over the cache, mask over the row's new tokens)
+        if layer_type == FULL:
+            return model.rope(positions[None]), cached, causal
+        window = model.config.sliding_window  # a grid token (row, col) is at starts[row] + col
         columns = jnp.arange(width)
-        slid = (model.rope(positions[None], SLIDING),
+        return (model.rope(positions[None], SLIDING),
                 cached & window_mask(starts[:, None] + columns, jnp.arange(num_slots)[None], window),
                 causal & window_mask(columns, columns, window))
     tap_ids = jnp.asarray(tap_layer_ids, jnp.int32)
@@ -96,19 +94,16 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         taps = jnp.where((tap_ids == -1)[:, None, None, None], h[None],
                          jnp.zeros((len(tap_layer_ids),) + h.shape, h.dtype))
     safe_rows = jnp.minimum(rows, num_rows - 1)
-    graphdef, layer_state = nnx.split(model.layers)
 
     def grid(x):  # [T, ...] -> [S, Q, ...]
         if dense:
             return x.reshape((num_rows, width) + x.shape[1:])
         return to_grid(x, rows, cols, num_rows, width)
 
-    def step(carry, xs):
+    def step(layer, index, inputs, k_cache, v_cache, carry):
         h, taps = carry
-        state, index, is_sliding, k_cache, v_cache = xs
-        layer = nnx.merge(graphdef, state)
         attn = layer.self_attn
-        (cos_l, sin_l), cached_l, causal_l = pick(is_sliding, full, slid)
+        (cos_l, sin_l), cached_l, causal_l = inputs
         x = layer.input_layernorm(h)
         q = attn.queries(x, cos_l, sin_l)[0]
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos_l, sin_l))
@@ -125,8 +120,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
             taps = jnp.where((tap_ids == index)[:, None, None, None], h[None], taps)
         return (h, taps), (k_grid, v_grid)
 
-    (h, taps), (new_k, new_v) = jax.lax.scan(
-        step, (h, taps), (layer_state, jnp.arange(num_layers), sliding, cache.k, cache.v))
+    (h, taps), outs = run_layers(model, step, (h, taps), inputs_of, (cache.k, cache.v))
     if taps is not None:
         taps = jnp.moveaxis(taps[:, 0], 0, 1).reshape(tokens.shape[0], -1)
+    new_k, new_v = (grouped(tuple(o[i] for o in outs)) for i in (0, 1))
     return RaggedOutput(model.norm(h)[0], taps, new_k, new_v)

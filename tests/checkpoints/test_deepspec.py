@@ -236,3 +236,48 @@ def test_tied_target_with_a_trainable_mask_exports_its_lm_head_unchanged(tmp_pat
     np.testing.assert_array_equal(tensors["embed_tokens.weight"][drafter.config.mask_token_id],
                                   tensors["mask_embedding"])
     assert not _target_tensor_warnings(lambda: dspark_jax.load_drafter(folder, tied))
+
+
+# A Gemma4 target whose full layers have their own shape: DeepSpec's Gemma4 drafter layers all
+# take it (global head dim 16, one kv head whose keys are also the values).
+GEMMA4 = dict(TINY, architectures=["Gemma4ForCausalLM"], global_head_dim=16,
+              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+              sliding_window=3, final_logit_softcapping=8.0,
+              layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+def gemma4_spec_shapes(*, d, heads, kv, hd, inner, vocab, taps, rank, layers):
+    """The tensor names and torch shapes of DeepSpec's Gemma4DSparkModel
+    (deepspec/modeling/dspark/gemma4/modeling.py), written out by hand: keys as values (no
+    v_proj), no weight in the value norm, Gemma's four layer norms and a layer_scalar buffer."""
+    shapes = spec_shapes(d=d, heads=heads, kv=kv, hd=hd, inner=inner, vocab=vocab, taps=taps,
+                         rank=rank, layers=layers)
+    for i in range(layers):
+        p = f"layers.{i}."
+        del shapes[p + "self_attn.v_proj.weight"]
+        shapes.update({p + "pre_feedforward_layernorm.weight": (d,),
+                       p + "post_feedforward_layernorm.weight": (d,), p + "layer_scalar": (1,)})
+    return shapes
+
+
+def test_gemma4_deepspec_layout(tmp_path):
+    gemma4 = init_target(GEMMA4, seed=6)
+    drafter = dspark_jax.init_drafter(gemma4, markov_rank=8, block_size=4, mask_token_id=60, seed=7,
+                                      trainable_mask_embedding=False)
+    folder = drafter.save(tmp_path / "d", layout="deepspec")
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert {k: v.shape for k, v in tensors.items()} == gemma4_spec_shapes(
+        d=32, heads=4, kv=1, hd=16, inner=64, vocab=64, taps=3, rank=8, layers=2)
+    assert all(np.all(tensors[f"layers.{i}.layer_scalar"] == 1) for i in range(2))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma4DSparkModel"]
+    assert (config["global_head_dim"], config["num_global_key_value_heads"],
+            config["attention_k_eq_v"]) == (16, 1, True)
+    assert config["layer_types"] == ["full_attention"] * 2
+    _assert_same(drafter, dspark_jax.load_drafter(folder, gemma4))
+
+    def trained_scalar(t):
+        return dict(t, **{"layers.1.layer_scalar": np.full((1,), 0.5, np.float32)})
+
+    with pytest.raises(CheckpointError, match="layers.1.layer_scalar is \\[0.5\\], not 1"):
+        dspark_jax.load_drafter(_with_tensors(folder, tmp_path, trained_scalar), gemma4)

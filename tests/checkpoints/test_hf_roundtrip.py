@@ -77,6 +77,12 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=20,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
         final_logit_softcapping=4.0, rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "gemma4-global-keqv": lambda: transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+        sliding_window=4, final_logit_softcapping=4.0,
+        layer_types=["sliding_attention", "full_attention", "full_attention"]),
 }
 
 

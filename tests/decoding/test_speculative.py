@@ -22,6 +22,8 @@ LLAMA = dict(QWEN3, architectures=["LlamaForCausalLM"], num_attention_heads=2, n
              head_dim=16)
 GEMMA3 = dict(QWEN3, architectures=["Gemma3ForCausalLM"], sliding_window=6, query_pre_attn_scalar=6,
               layer_types=["sliding_attention", "full_attention"] * 2, final_logit_softcapping=5.0)
+GEMMA4 = dict(GEMMA3, architectures=["Gemma4ForCausalLM"], global_head_dim=32,
+              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0)
 PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12, 14, 20, 21, 22, 30, 31, 32, 33], [17]]
 
 
@@ -52,10 +54,12 @@ def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_refere
     assert [r.token_ids for r in results] == ar_reference
 
 
-@pytest.mark.parametrize("config", [LLAMA, pytest.param(GEMMA3, marks=pytest.mark.slow)],
-                         ids=["llama", "gemma3"])
+@pytest.mark.parametrize("config", [LLAMA, pytest.param(GEMMA3, marks=pytest.mark.slow),
+                                    pytest.param(GEMMA4, marks=pytest.mark.slow)],
+                         ids=["llama", "gemma3", "gemma4"])
 def test_greedy_other_target_families(config):
-    """Llama, and Gemma3 with 6-token windows (shorter than the prompts plus 16 new tokens)."""
+    """Llama, and Gemma3 / Gemma4 with 6-token windows (shorter than the prompts plus 16 new
+    tokens); Gemma4's full layers have their own shape and its drafter's layers theirs."""
     target = init_target(config, seed=4)
     drafter = dspark_jax.init_drafter(target, seed=5)
     ar = dspark_jax.generate(target, PROMPTS, max_new_tokens=16)

@@ -1,11 +1,13 @@
-"""Logit parity of the JAX decoder with transformers' PyTorch Llama / Qwen2 / Qwen3 / Gemma3
-(float32).
+"""Logit parity of the JAX decoder with transformers' PyTorch Llama / Qwen2 / Qwen3 / Gemma3 /
+Gemma4 (float32).
 
 Each case is a small random checkpoint written by transformers' ``save_pretrained`` and read with
 ``dspark_jax.load_target``; it covers GQA and MHA, odd head counts, explicit head_dim, tied and
 untied embeddings, q/k/v(/o) biases, the rope scaling types default, linear, llama3 and yarn, and
 Gemma3's sliding-window layers (windows shorter than the prompts, their own rope),
-query_pre_attn_scalar and final-logit soft-capping.
+query_pre_attn_scalar and final-logit soft-capping, and Gemma4's full-attention layers of
+their own shape (global head dim and kv heads, keys as values, proportional partial rope) next
+to its sliding ones, value norms and per-layer scalars.
 The comparisons run the full forward (right padding), the KV-cache path (prefill, rejected
 draft, multi-token verification, token-by-token decoding) and the layer taps.
 """
@@ -24,6 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import dspark_jax  # noqa: E402
+from dspark_jax.model_config import attention_dims  # noqa: E402
 from dspark_jax.models.kv_cache import KVCache  # noqa: E402
 
 TOL = 1e-4
@@ -55,6 +58,12 @@ def _gemma3(**kw):
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=256,
                 bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
     return transformers.Gemma3TextConfig(**{**base, **kw})
+
+
+def _gemma4(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, max_position_embeddings=256,
+                bos_token_id=1, eos_token_id=2, pad_token_id=PAD, hidden_size_per_layer_input=0)
+    return transformers.Gemma4TextConfig(**{**base, **kw})
 
 
 CASES = {
@@ -106,6 +115,26 @@ CASES = {
         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
         query_pre_attn_scalar=32, sliding_window=7, sliding_window_pattern=2,
         tie_word_embeddings=False),
+    # Gemma4: sliding / full / sliding / sliding / full, so the two stacks interleave in runs of
+    # 1, 1, 2, 1; sliding layers GQA 4/2 with head_dim 16, full layers one kv head of 32 whose
+    # keys are also the values (attention_k_eq_v), proportional rope over a quarter of the
+    # full head; a 5-token window; logits soft-capped at 3; tied.
+    "gemma4-global-keqv": lambda: _gemma4(
+        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=5,
+        final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention", "full_attention"]),
+    # Gemma4 with one shape for both layer types (global_head_dim = head_dim, own values): one
+    # stack, the layers picking their rope and window; half the full head rotates, a 7-token
+    # window, untied.
+    "gemma4-one-stack-untied": lambda: _gemma4(
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+        global_head_dim=32, sliding_window=7, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        rope_parameters={"full_attention": dict(rope_type="proportional", partial_rotary_factor=0.5,
+                                                rope_theta=50_000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=5_000.0)}),
 }
 
 
@@ -145,9 +174,12 @@ def test_config_matches_transformers(case):
     model, target, *_ = case
     tc, c = model.config, target.config
     assert c.num_attention_heads == tc.num_attention_heads
-    assert c.num_key_value_heads == tc.num_key_value_heads
-    expected_head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    assert c.head_dim == expected_head_dim
+    per_layer = getattr(tc, "per_layer_config", None)  # Gemma4: each layer's own shape
+    for i, layer_type in enumerate(c.layer_types):
+        ltc = tc if per_layer is None else per_layer[i]
+        kv_heads, head_dim, _ = attention_dims(c, layer_type)
+        assert kv_heads == ltc.num_key_value_heads
+        assert head_dim == (getattr(ltc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
     assert c.tie_word_embeddings == tc.tie_word_embeddings
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma3: one rope per layer type
@@ -186,8 +218,7 @@ def test_kv_cache_matches_full_forward(case):
     prefill = np.asarray(PREFILL)
     rng = np.random.default_rng(7)
 
-    cache = KVCache.zeros(cfg.num_hidden_layers, batch, width, cfg.num_key_value_heads,
-                          cfg.head_dim, jnp.float32)
+    cache = KVCache.for_model(cfg, batch, width, jnp.float32)
     p_max = int(prefill.max())
     tokens = ids[:, :p_max].copy()
     for i, p in enumerate(prefill):  # right padding filled with garbage tokens

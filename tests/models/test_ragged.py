@@ -14,9 +14,15 @@ QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, 
 # Sliding layers with a 4-token window: shorter than the rows' histories (5 and 9 tokens).
 GEMMA3 = dict(QWEN3, architectures=["Gemma3ForCausalLM"], sliding_window=4,
               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+# Gemma4: full layers of their own shape (head dim 16, one kv head, keys as values), so the
+# layers run in three scans over two stacks and the cache holds two groups.
+GEMMA4 = dict(GEMMA3, architectures=["Gemma4ForCausalLM"], global_head_dim=16,
+              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                           "full_attention"], num_hidden_layers=4)
 
 
-@pytest.mark.parametrize("config", [QWEN3, GEMMA3], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("config", [QWEN3, GEMMA3, GEMMA4], ids=["qwen3", "gemma3", "gemma4"])
 def test_ragged_forward_matches_batched_decoder(config):
     target = init_target(config, seed=3)
     model = target.model
@@ -27,8 +33,7 @@ def test_ragged_forward_matches_batched_decoder(config):
     history = rng.integers(0, 48, (rows, slots))
     new = rng.integers(0, 48, (rows, width))
     cfg = model.config
-    cache = KVCache.zeros(cfg.num_hidden_layers, rows, slots, cfg.num_key_value_heads, cfg.head_dim,
-                          jnp.float32)
+    cache = KVCache.for_model(cfg, rows, slots, jnp.float32)
     # Fill each row's history with a plain prefill; the batched reference then extends it.
     positions = jnp.broadcast_to(jnp.arange(slots), (rows, slots))
     cache = model(jnp.asarray(history), positions, cache=cache).cache
@@ -46,7 +51,7 @@ def test_ragged_forward_matches_batched_decoder(config):
     r, c = flat_rows[real], flat_cols[real]
     np.testing.assert_allclose(out.hidden[real], ref.hidden[r, c], atol=1e-5)
     np.testing.assert_allclose(out.taps[real], ref.taps[r, c], atol=1e-5)
-    k_ref = np.asarray(ref.new_kv[0])
-    for row, count in enumerate(counts):
-        np.testing.assert_allclose(out.new_k[:, row, :count], k_ref[:, row, :count], atol=1e-5)
-        assert not np.any(out.new_k[:, row, count:])
+    for got, want in zip(jax.tree.leaves(out.new_k), jax.tree.leaves(ref.new_kv[0]), strict=True):
+        for row, count in enumerate(counts):
+            np.testing.assert_allclose(got[:, row, :count], want[:, row, :count], atol=1e-5)
+            assert not np.any(got[:, row, count:])
