@@ -4,11 +4,11 @@ An experiment config is an ml-collections ConfigDict with ``.target`` (a model n
 ``.drafter`` (the fields of ``dspark_jax.drafter_config``) and ``.train`` (the training
 settings: :data:`DSPARK_TRAIN` is their schema, at the reference values of DSPARK_SPEC.md
 section 2, plus dspark-jax's own). ``configs/*.py`` define ``get_config()`` returning one, built
-by the presets below (:func:`qwen3_dspark`, :func:`smollm2_dspark`, ...).
+by the presets below (:func:`qwen3_dspark`, :func:`gemma4_dspark`, :func:`smollm2_dspark`, ...).
 
 Overrides use dotted paths, ``--train.learning_rate=3e-4`` or ``train.max_steps=10``; values
 are parsed as Python literals when they can be (numbers, booleans, tuples) and kept as strings
-otherwise, then checked against the field's type by ml-collections. The Qwen3 configs leave
+otherwise, then checked against the field's type by ml-collections. The Qwen3 and Gemma4 configs leave
 ``.target`` unset (None): it is the user's local copy of the model, required on the command
 line (``--target=PATH``), as is ``train.data_dir`` in every config. :func:`check_runnable`
 checks that a training config names a target and data that exist (the launch scripts run it
@@ -36,6 +36,9 @@ QWEN3_DSPARK_DRAFTER = dict(
     mask_token_id=151669, block_size=7, num_layers=5, markov_rank=256, head="markov",
     confidence_head=True, confidence_head_with_markov=True, trainable_mask_embedding=False,
     anchor_predicts=True)
+# DeepSpec's Gemma4 drafter (config/dspark/dspark_gemma4_12b.py): the same, with mask token 4
+# (Gemma's <mask>); its train settings are the Qwen3 ones.
+GEMMA4_DSPARK_DRAFTER = dict(QWEN3_DSPARK_DRAFTER, mask_token_id=4)
 # The DFlash baseline is the same model without sequential or confidence head.
 DFLASH_DRAFTER_CHANGES = dict(markov_rank=0, head="none", confidence_head=False,
                               confidence_head_with_markov=False)
@@ -96,6 +99,12 @@ def qwen3_dspark(target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict
     """DeepSpec's DSpark config for a Qwen3 target (``.target``: required, the local copy)."""
     return experiment_config(None, dict(QWEN3_DSPARK_DRAFTER, target_layer_ids=target_layer_ids),
                       DSPARK_TRAIN)
+
+
+def gemma4_dspark(target_layer_ids: tuple[int, ...]) -> ml_collections.ConfigDict:
+    """DeepSpec's DSpark config for a Gemma4 target (``.target``: required, the local copy)."""
+    return experiment_config(None, dict(GEMMA4_DSPARK_DRAFTER, target_layer_ids=target_layer_ids),
+                             DSPARK_TRAIN)
 
 
 def smollm2_dspark() -> ml_collections.ConfigDict:

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dspark_jax.model_config import layer_groups
 from dspark_jax.training.data import load_manifest, read_shard
 
 MARKOV_INITS = ("reference", "zero_w2", "bigram")
@@ -127,7 +128,7 @@ def replace_params(state: nnx.State, new: dict[tuple[str, ...], np.ndarray]) -> 
 
 
 def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.State, train_cfg,
-                  data_dirs: Sequence[str | os.PathLike]) -> nnx.State:
+                  data_dirs: Sequence[str | os.PathLike], *, target_config=None) -> nnx.State:
     """The drafter parameters of step 0 under the recipe fields of ``train_cfg`` (module doc).
 
     Args:
@@ -136,6 +137,8 @@ def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.St
       target_state: the target's parameters (source of ``draft_layers_from``).
       train_cfg: the train config.
       data_dirs: the training data folders (source of the "bigram" start).
+      target_config: the target's model config; needed for ``draft_layers_from`` when its
+        full-attention layers are stacked apart (Gemma4): the draft layers take their shape.
     """
     mode = train_cfg.get("markov_init", "reference")
     if mode not in MARKOV_INITS:
@@ -161,14 +164,22 @@ def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.St
         if len(source) != drafter_config.num_layers:
             raise ValueError(f"train.draft_layers_from names {len(source)} target layers for "
                              f"{drafter_config.num_layers} draft layers")
-        target_layers = target_state["layers"]
-        num_target = jax.tree.leaves(target_layers)[0].shape[0]
-        if not all(0 <= i < num_target for i in source):
-            raise ValueError(f"train.draft_layers_from {source}: the target has layers 0..{num_target - 1}")
-        index = np.asarray(source)
+        stacked_apart = target_state.get("global_layers") is not None
+        if stacked_apart and target_config is None:
+            raise ValueError("train.draft_layers_from over a target with full-attention layers of "
+                             "their own shape needs its model config (target_config)")
+        ids = (layer_groups(target_config)[-1] if stacked_apart else
+               tuple(range(jax.tree.leaves(target_state["layers"])[0].shape[0])))
+        if not all(i in ids for i in source):
+            raise ValueError(f"train.draft_layers_from {source}: the draft layers can start from the "
+                             f"target's layers {list(ids)}"
+                             + (" (its full-attention layers)" if stacked_apart else ""))
+        index = np.asarray([ids.index(i) for i in source])
+        target_layers = target_state["global_layers" if stacked_apart else "layers"]
         for path, leaf in jax.tree_util.tree_flatten_with_path(target_layers)[0]:
             names = tuple(n for n in (getattr(k, "key", None) for k in path) if n not in (None, "value"))
-            new[("layers",) + names] = np.asarray(leaf)[index]
+            if names[-1] != "layer_scalar":  # Gemma4's; the draft layers have none
+                new[("layers",) + names] = np.asarray(leaf)[index]
         new[("norm", "weight")] = np.asarray(target_state["norm"]["weight"][...])
     return replace_params(drafter_state, new) if new else drafter_state
 

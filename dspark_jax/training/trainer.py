@@ -214,7 +214,7 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
             params = warm_start_params(tcfg.init_from, drafter)
     else:
         params = recipe.initial_state(drafter.state, drafter.config, target.state, tcfg,
-                                      _data_dirs(tcfg))
+                                      _data_dirs(tcfg), target_config=target.config)
     optimizer = train_step.make_optimizer(tcfg, steps)
     state = train_step.init_train_state(params, optimizer, mesh)
     step_fn = train_step.make_train_step(

@@ -183,6 +183,26 @@ def test_other_unsupported_options(change, message):
         model_config_from_hf({**TINY_HF_CONFIG, **change})
 
 
+GEMMA4_HF = dict(TINY_HF_CONFIG, architectures=["Gemma4ForCausalLM"], hidden_size_per_layer_input=0,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size_per_layer_input=None), r"per-layer embeddings \(hidden_size_per_layer_input"),
+    (dict(hidden_size_per_layer_input=256), r"per-layer embeddings"),
+    (dict(num_kv_shared_layers=1), r"KV sharing across layers \(num_kv_shared_layers"),
+    (dict(enable_moe_block=True), r"mixture-of-experts blocks \(enable_moe_block\)"),
+    (dict(per_layer_config={"0": {"head_dim": 32}}), "per_layer_config must give every full"),
+])
+def test_unsupported_gemma4_options(change, message):
+    """The E2B / E4B models' per-layer embeddings and KV sharing, the MoE models' experts, and
+    per-layer shapes other than one for the full layers are refused by name (a config.json
+    that omits hidden_size_per_layer_input gets transformers' default, 256)."""
+    config = {k: v for k, v in {**GEMMA4_HF, **change}.items() if v is not None}
+    with pytest.raises(UnsupportedModelError, match=message):
+        model_config_from_hf(config)
+
+
 def test_config_missing_field():
     config = dict(TINY_HF_CONFIG)
     del config["hidden_size"]

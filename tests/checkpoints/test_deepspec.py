@@ -281,3 +281,31 @@ def test_gemma4_deepspec_layout(tmp_path):
 
     with pytest.raises(CheckpointError, match="layers.1.layer_scalar is \\[0.5\\], not 1"):
         dspark_jax.load_drafter(_with_tensors(folder, tmp_path, trained_scalar), gemma4)
+
+
+def test_gemma4_12b_config_names_without_allocation():
+    """configs/dspark_gemma4_12b.py over a stand-in Gemma4 target of 48 layers (the 12B model's
+    config.json is not available offline, so its widths here are small): DeepSpec's tensor
+    names and config fields, from abstract shapes only."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "dspark_gemma4_12b.py"
+    spec = importlib.util.spec_from_file_location("dspark_gemma4_12b", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = drafter_config(**module.get_config().drafter.to_dict())
+    target_cfg = model_config_from_hf(dict(GEMMA4, num_hidden_layers=48, layer_types=None))
+    model_cfg = deepspec.draft_model_config(target_cfg, cfg.num_layers)
+    _, abstract = deepspec.abstract_drafter(model_cfg, cfg, jax.numpy.bfloat16)
+    shapes = deepspec.tensor_shapes("deepspec", cfg, abstract, target_cfg)
+    assert shapes == gemma4_spec_shapes(d=32, heads=4, kv=1, hd=16, inner=64, vocab=64, taps=5,
+                                        rank=256, layers=5)
+    hf_config = deepspec.hf_config_for("deepspec", model_cfg, cfg, target_cfg, num_anchors=512)
+    assert hf_config["architectures"] == ["Gemma4DSparkModel"]
+    assert {k: hf_config[k] for k in ("block_size", "mask_token_id", "target_layer_ids",
+                                      "num_target_layers", "markov_rank", "enable_confidence_head",
+                                      "confidence_head_with_markov", "final_logit_softcapping")} == dict(
+        block_size=7, mask_token_id=4, target_layer_ids=[5, 17, 29, 41, 46], num_target_layers=48,
+        markov_rank=256, enable_confidence_head=True, confidence_head_with_markov=True,
+        final_logit_softcapping=8.0)

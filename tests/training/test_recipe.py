@@ -138,10 +138,30 @@ def test_draft_layers_from_target_layers(drafter, target, data):
                                   np.asarray(drafter.state["fc"]["kernel"][...]))
 
 
+def test_draft_layers_from_gemma4_full_layers(data):
+    """Over Gemma4 the draft layers have the shape of the target's full-attention layers (their
+    own stack): they start from those, without the target's layer scalars."""
+    gemma4 = init_target(dict(TARGET, architectures=["Gemma4ForCausalLM"], global_head_dim=16,
+                              num_global_key_value_heads=1, attention_k_eq_v=True,
+                              hidden_size_per_layer_input=0, sliding_window=3,
+                              layer_types=["sliding_attention", "full_attention"] * 2), seed=2)
+    drafter = dspark_jax.init_drafter(gemma4, target_layer_ids=(0, 2), mask_token_id=23, block_size=4,
+                                      num_layers=1, markov_rank=6)
+    out = recipe.initial_state(drafter.state, drafter.config, gemma4.state,
+                               _train_cfg(draft_layers_from=(3,)), [data[0]], target_config=gemma4.config)
+    got, want = _flat(out["layers"]), _flat(gemma4.state["global_layers"])
+    assert got.keys() == {k for k in want if "layer_scalar" not in k}
+    for key in got:
+        np.testing.assert_array_equal(got[key], want[key][[1]])  # layer 3 is the second full one
+    with pytest.raises(ValueError, match=r"layers \[1, 3\] \(its full-attention layers\)"):
+        recipe.initial_state(drafter.state, drafter.config, gemma4.state,
+                             _train_cfg(draft_layers_from=(2,)), [data[0]], target_config=gemma4.config)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(markov_init="svd"), "markov_init"),
     (dict(draft_layers_from=(3,)), "1 target layers for 2 draft layers"),
-    (dict(draft_layers_from=(3, 4)), "layers 0..3"),
+    (dict(draft_layers_from=(3, 4)), r"can start from the target's layers \[0, 1, 2, 3\]"),
 ])
 def test_bad_recipe_fields_are_named(drafter, target, data, fields, message):
     with pytest.raises(ValueError, match=message):

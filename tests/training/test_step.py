@@ -206,11 +206,17 @@ def test_steps_reduce_loss_and_leave_target_frozen(models, step_setup):
     jax.tree.map(lambda new, old: np.testing.assert_(np.any(new != old)), state.params, drafter.state)
 
 
-def test_a_drafter_trains_on_a_gemma3_target():
-    """Packed rows over a Gemma3 target: sliding layers with a 3-token window (shorter than the
-    sequences), logits soft-capped at 5; the loss falls and the target stays frozen."""
-    config = dict(TINY, architectures=["Gemma3ForCausalLM"], sliding_window=3,
-                  final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"] * 2)
+GEMMA3 = dict(TINY, architectures=["Gemma3ForCausalLM"], sliding_window=3,
+              final_logit_softcapping=5.0, layer_types=["sliding_attention", "full_attention"] * 2)
+GEMMA4 = dict(GEMMA3, architectures=["Gemma4ForCausalLM"], global_head_dim=16,
+              num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=0)
+
+
+@pytest.mark.parametrize("config", [GEMMA3, GEMMA4], ids=["gemma3", "gemma4"])
+def test_a_drafter_trains_on_a_gemma_target(config):
+    """Packed rows over a Gemma target: sliding layers with a 3-token window (shorter than the
+    sequences), logits soft-capped at 5 (Gemma4: full layers of their own shape, which the draft
+    layers take); the loss falls and the target stays frozen."""
     target = init_target(config, seed=1)
     target.state = _scaled(target.state, 6.0)
     drafter = dspark_jax.init_drafter(target, seed=2, num_layers=1, markov_rank=8, block_size=4)
