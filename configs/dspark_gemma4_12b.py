@@ -6,8 +6,9 @@ Taps 5, 17, 29, 41, 46 of the target's layers (DSPARK_SPEC.md section 2), 5 draf
 (global_head_dim, num_global_key_value_heads, keys as values), logits soft-capped like the
 target's, embeddings scaled by sqrt(hidden_size); DeepSpec's Gemma4DSparkModel layout.
 
-Target: a local copy of google/gemma-4-12B-it's text model as a Gemma4ForCausalLM folder,
-required: ``--target=DIR``, with the training data ``--train.data_dir="('DATA',)"``.
+Target: a local copy of google/gemma-4-12B-it, required: ``--target=DIR`` (the Hugging Face
+folder as released, a Gemma4UnifiedForConditionalGeneration whose text model dspark-jax loads;
+nothing is downloaded), with the training data ``--train.data_dir="('DATA',)"``.
 """
 
 from dspark_jax import experiment

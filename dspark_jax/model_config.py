@@ -38,10 +38,17 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma4ForCausalLM": "gemma4_text",
+    "Gemma4UnifiedForCausalLM": "gemma4_unified_text",  # the 12B: Gemma4's dense layers, no PLE
 }
+# Multimodal checkpoints whose text model runs here: config.json nests it in ``text_config``
+# (:func:`text_model_hf`).
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+              "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+              "Gemma4UnifiedForConditionalGeneration": "Gemma4UnifiedForCausalLM"}
 MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-GEMMA_FAMILY = ("gemma3_text", "gemma4_text")
+GEMMA4_TYPES = ("gemma4_text", "gemma4_unified_text")
+GEMMA_FAMILY = ("gemma3_text",) + GEMMA4_TYPES
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"
 GEMMA_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' Gemma3 defaults
@@ -73,7 +80,7 @@ def _gemma_rope_from_hf(hf: Mapping[str, Any], layer_type: str, model_type: str
     (transformers >= 5) or ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (older
     Gemma3)."""
     params = dict((hf.get("rope_parameters") or {}).get(layer_type) or {})
-    if not params and model_type == "gemma4_text":
+    if not params and model_type in GEMMA4_TYPES:
         params = dict(GEMMA4_ROPE[layer_type])
     old_theta = hf.get("rope_theta") if layer_type == FULL else hf.get("rope_local_base_freq")
     theta = params.pop("rope_theta", old_theta or GEMMA_THETA[layer_type])
@@ -114,12 +121,13 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
             f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
         )
     gemma = model_type in GEMMA_FAMILY
-    gemma4 = model_type == "gemma4_text"
+    gemma4 = model_type in GEMMA4_TYPES
     if gemma4:
-        _check_gemma4_dense(hf)
+        _check_gemma4_dense(hf, model_type)
     if hf.get("use_sliding_window") and not gemma:
         raise UnsupportedModelError("sliding-window attention (use_sliding_window) is not supported")
-    if hf.get("use_bidirectional_attention"):
+    bidirectional = hf.get("use_bidirectional_attention")
+    if bidirectional and not (gemma4 and bidirectional == "vision"):  # "vision": text is causal
         raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is "
                                     "not supported: targets are causal")
     hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or (
@@ -204,9 +212,10 @@ def model_config_from_hf(hf: Mapping[str, Any]) -> ml_collections.FrozenConfigDi
     )
 
 
-def _check_gemma4_dense(hf: Mapping[str, Any]) -> None:
+def _check_gemma4_dense(hf: Mapping[str, Any], model_type: str) -> None:
     """Raises UnsupportedModelError for the Gemma4 options of the small and MoE models."""
-    if int(hf.get("hidden_size_per_layer_input", GEMMA4_PER_LAYER_INPUT) or 0):
+    ple_default = GEMMA4_PER_LAYER_INPUT if model_type == "gemma4_text" else 0
+    if int(hf.get("hidden_size_per_layer_input", ple_default) or 0):
         raise UnsupportedModelError("Gemma4 per-layer embeddings (hidden_size_per_layer_input > 0, "
                                     "the E2B / E4B models) are not supported; dense text models only")
     if int(hf.get("num_kv_shared_layers") or 0):
@@ -258,6 +267,26 @@ def layer_groups(cfg) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(i for i in ids if types[i] == t) for t in (SLIDING, FULL))
 
 
+def text_model_hf(hf: Mapping[str, Any]) -> dict | None:
+    """The text model's config.json dict of a multimodal Gemma checkpoint (``MULTIMODAL``), with
+    its causal-LM architecture and the token ids and embedding tie the top level holds; None
+    for any other config."""
+    archs = list(hf.get("architectures") or [])
+    if not archs or archs[0] not in MULTIMODAL:
+        return None
+    text = dict(hf.get("text_config") or {})
+    if not text:
+        raise UnsupportedModelError(f"the {archs[0]} config.json has no text_config")
+    text["architectures"] = [MULTIMODAL[archs[0]]]
+    text["model_type"] = ARCHITECTURES[MULTIMODAL[archs[0]]]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if text.get(key) is None and hf.get(key) is not None:
+            text[key] = hf[key]
+    if "tie_word_embeddings" in hf:  # the multimodal model ties its LM head by the top level
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
 def _cap(value) -> float | None:
     """A soft-capping value: None (or 0) is off."""
     return float(value) if value else None
@@ -301,8 +330,9 @@ def model_config_to_hf(cfg: ml_collections.FrozenConfigDict) -> dict:
         else:
             hf.update(global_head_dim=cfg.global_head_dim,
                       num_global_key_value_heads=cfg.num_global_key_value_heads,
-                      attention_k_eq_v=cfg.attention_k_eq_v, hidden_size_per_layer_input=0,
-                      num_kv_shared_layers=0, enable_moe_block=False)
+                      attention_k_eq_v=cfg.attention_k_eq_v, num_kv_shared_layers=0)
+            if cfg.model_type == "gemma4_text":  # the unified config has neither field
+                hf.update(hidden_size_per_layer_input=0, enable_moe_block=False)
         return hf
     scaling = dict(cfg.rope_scaling)
     hf.update(hidden_act="silu", rope_theta=cfg.rope_theta,

@@ -20,13 +20,19 @@ from tqdm.auto import tqdm
 from dspark_jax.checkpoints import hf, orbax_params, registry
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
-from dspark_jax.model_config import layer_groups, model_config_from_hf, model_config_to_hf
+from dspark_jax.model_config import (layer_groups, model_config_from_hf, model_config_to_hf,
+                                     text_model_hf)
 from dspark_jax.models.decoder import Decoder
 from dspark_jax import sharding
 
 # Target checkpoints keep transformers' names: "model." prefix, lm_head outside it.
 HF_PREFIX = "model."
 HF_OVERRIDES = {("lm_head",): "lm_head.weight"}
+# Multimodal Gemma folders (``model_config.MULTIMODAL``): the text model's tensors under one of
+# these prefixes (transformers 5 writes the first, Gemma3's original checkpoints have the
+# second) -> the key of its LM head when untied.
+MULTIMODAL_PREFIXES = {"model.language_model.": "lm_head.weight",
+                       "language_model.model.": "language_model.lm_head.weight"}
 HF_TRANSPOSED = (("lm_head",),)
 ORBAX_MARKER = "dspark_target.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -172,14 +178,15 @@ def _load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _from_source(hf_config: dict, source: hf.TensorSource, dtype, tokenizer, name) -> Target:
+def _from_source(hf_config: dict, source: hf.TensorSource, dtype, tokenizer, name,
+                 prefix: str = HF_PREFIX, overrides=HF_OVERRIDES) -> Target:
     config = model_config_from_hf(hf_config)
     dtype = dtype or default_dtype()
     graphdef, abstract = abstract_model(config, dtype)
     count = len(nnx.to_flat_state(abstract))
     with tqdm(total=count, desc=f"loading {name}", unit="tensor", leave=False,
               disable=count < 8) as bar:
-        state = hf.load_params(abstract, source, prefix=HF_PREFIX, overrides=HF_OVERRIDES,
+        state = hf.load_params(abstract, source, prefix=prefix, overrides=overrides,
                                transposed=HF_TRANSPOSED, dtype=dtype, progress=bar,
                                layer_ids=layer_ids(config))
     state = sharding.shard_state(state)
@@ -198,11 +205,23 @@ def _hf_folder_config(folder: Path) -> dict:
 
 
 def load_hf_folder(folder: str | os.PathLike, dtype=None) -> Target:
+    """A Hugging Face folder: a causal LM, or the text model of a multimodal Gemma checkpoint
+    (which then exports as a text-only causal LM)."""
     folder = Path(folder)
     hf_config = _hf_folder_config(folder)
-    model_config_from_hf(hf_config)  # architecture errors before touching the weights
-    return _from_source(hf_config, hf.SafetensorsFolder(folder), dtype, _load_tokenizer(folder),
-                        folder.name)
+    text = text_model_hf(hf_config)
+    model_config_from_hf(text or hf_config)  # architecture errors before touching the weights
+    source = hf.SafetensorsFolder(folder)
+    prefix, overrides = HF_PREFIX, HF_OVERRIDES
+    if text is not None:
+        prefix = next((p for p in MULTIMODAL_PREFIXES if p + "embed_tokens.weight" in source), None)
+        if prefix is None:
+            raise CheckpointError(
+                f"{folder}: a {hf_config['architectures'][0]} folder without its text model's "
+                f"tensors ({' or '.join(p + 'embed_tokens.weight' for p in MULTIMODAL_PREFIXES)})")
+        overrides = {("lm_head",): MULTIMODAL_PREFIXES[prefix]}
+    return _from_source(text or hf_config, source, dtype, _load_tokenizer(folder), folder.name,
+                        prefix, overrides)
 
 
 def load_gguf(path: str | os.PathLike, dtype=None) -> Target:
@@ -281,4 +300,5 @@ def load_target_config(source: str | os.PathLike) -> ml_collections.FrozenConfig
         return model_config_from_hf(GGUFFile(where).hf_config())
     if kind == "orbax":
         return model_config_from_hf(json.loads((where / ORBAX_MARKER).read_text())["hf_config"])
-    return model_config_from_hf(_hf_folder_config(where))
+    hf_config = _hf_folder_config(where)
+    return model_config_from_hf(text_model_hf(hf_config) or hf_config)

@@ -49,7 +49,7 @@ ORBAX_MARKER = "dspark_drafter.json"
 MASK_KEY = "mask_embedding"
 OVERRIDES = {("mask_embedding",): MASK_KEY}
 FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma3",
-                "gemma4_text": "Gemma4"}
+                "gemma4_text": "Gemma4", "gemma4_unified_text": "Gemma4"}
 LAYER_SCALAR = "layers.{}.layer_scalar"  # DeepSpec's Gemma4 drafter: a buffer of ones [1]
 ZLAB_ARCHITECTURE = "DFlashDraftModel"
 TARGET_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the deepspec layout's copies
