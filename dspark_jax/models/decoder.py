@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, SLIDING, attention_dims, layer_groups
+from dspark_jax.models.fused_attention import attend_segments
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, attend_cached,
                                       rope_cos_sin, rope_frequencies)
@@ -104,22 +105,24 @@ def causal_mask(q_positions: jax.Array, k_positions: jax.Array,
     return mask
 
 
-def layer_runs(cfg) -> tuple[tuple[int, int, int], ...]:
+def layer_runs(cfg, split_types: bool = False) -> tuple[tuple[int, int, int], ...]:
     """(group, first, end) of each maximal run of consecutive layers in one group
-    (``model_config.layer_groups``), in layer order; first / end index the group's stack."""
+    (``model_config.layer_groups``) and, with ``split_types``, of one layer type, in layer
+    order; first / end index the group's stack."""
     groups = layer_groups(cfg)
     group_of = {i: (g, j) for g, ids in enumerate(groups) for j, i in enumerate(ids)}
     runs = []
     for layer in range(cfg.num_hidden_layers):
         g, j = group_of[layer]
-        if runs and runs[-1][0] == g:
+        same_type = not split_types or cfg.layer_types[layer] == cfg.layer_types[layer - 1]
+        if runs and runs[-1][0] == g and same_type:
             runs[-1][2] = j + 1
         else:
             runs.append([g, j, j + 1])
     return tuple(tuple(r) for r in runs)
 
 
-def run_layers(model: "Decoder", body, carry, inputs_of, caches):
+def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bool = False):
     """Runs the decoder layers in order, each run of consecutive layers of one group
     (:func:`layer_runs`) as a ``lax.scan`` over its slice of the group's stack.
 
@@ -131,6 +134,8 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches):
       inputs_of: ``inputs_of(layer_type)`` -> the per-layer-type inputs (rope, masks), a pytree
         of the same structure for both types while a group mixes them (Gemma3).
       caches: None, or the cache's (k, v), per group (``KVCache.k`` / ``.v``).
+      split_types: one scan per run of one layer type too, so that every layer's inputs may be
+        static (a fused kernel's window).
 
     Returns:
       (carry, outs): ``outs`` a tuple with, per group, the stacked outputs [L_g, ...] of its
@@ -143,7 +148,7 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches):
         caches = ((None,) * len(groups),) * 2
     k_groups, v_groups = (c if isinstance(c, tuple) else (c,) for c in caches)
     outs = [[] for _ in groups]
-    for g, first, end in layer_runs(cfg):
+    for g, first, end in layer_runs(cfg, split_types):
         ids = groups[g][first:end]
         whole = (first, end) == (0, len(groups[g]))
 
@@ -249,6 +254,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, cache: KVCache | None = None,
                  key_valid: jax.Array | None = None, mask: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None, attention: str | None = None,
                  tap_layer_ids: tuple[int, ...] = (), write_cache: bool = True) -> DecoderOutput:
         """Runs the decoder on ``tokens`` at ``positions``.
 
@@ -260,8 +266,10 @@ class Decoder(nnx.Module):
             (s < positions[:, 0]) and causally over the new tokens, and the new keys/values are
             written at ``positions`` afterwards (one scatter, so the cache is never copied).
           key_valid: bool [B, T], only without a cache: keys that may be attended to.
-          mask: bool [B, T, T] overriding the default causal mask without a cache (e.g. segment
-            ids for packed rows).
+          mask: bool [B, T, T] overriding the default causal mask without a cache.
+          segment_ids: int [B, T], instead of ``mask`` without a cache: packed rows, each token
+            attending causally within its segment (0: padding), through the fused kernel
+            ``attention`` (``fused_attention.IMPLEMENTATIONS``; None: the backend's).
           tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
           write_cache: with a cache, False returns the new entries in ``new_kv`` instead of
             writing them (the caller writes them later, e.g. outside a ``lax.switch``).
@@ -274,20 +282,25 @@ class Decoder(nnx.Module):
             if not -1 <= layer_id < num_layers:
                 raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
         h = self.embed(tokens)
-        if mask is None:
+        if segment_ids is not None and (cache is not None or mask is not None or key_valid is not None):
+            raise ValueError("segment_ids replace the mask of a forward without a cache")
+        if mask is None and segment_ids is None:
             mask = causal_mask(positions, positions, key_valid)
         committed = None
         if cache is not None:
             committed = jnp.arange(cache.num_slots)[None, None, :] < positions[:, :1, None]
             committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
 
-        def inputs_of(layer_type):  # (rope, mask over the new tokens, mask over the cache)
+        def inputs_of(layer_type):  # (rope, mask over the new tokens, mask over the cache, window)
             if layer_type == FULL:
-                return self.rope(positions), mask, committed
+                return self.rope(positions), mask, committed, None
             window = self.config.sliding_window
+            if segment_ids is not None:  # a static window for the fused kernel
+                return self.rope(positions, SLIDING), None, None, window
             return (self.rope(positions, SLIDING), mask & window_mask(positions, positions, window),
                     None if cache is None else
-                    committed & window_mask(positions, jnp.arange(cache.num_slots)[None], window))
+                    committed & window_mask(positions, jnp.arange(cache.num_slots)[None], window),
+                    None)
 
         requested = tuple(tap_layer_ids)
         tap_layer_ids = tuple(dict.fromkeys(requested))  # a layer fills one slot: dedupe
@@ -304,11 +317,14 @@ class Decoder(nnx.Module):
         def step(layer, index, inputs, k_cache, v_cache, carry):
             h, taps = carry
             attn = layer.self_attn
-            (cos_l, sin_l), mask_l, committed_l = inputs
+            (cos_l, sin_l), mask_l, committed_l, window_l = inputs
             x = layer.input_layernorm(h)
             q = attn.queries(x, cos_l, sin_l)
             k_new, v_new = attn.keys_values(x, cos_l, sin_l)
-            if k_cache is None:
+            if segment_ids is not None:
+                attended = attend_segments(q, k_new, v_new, segment_ids, scale=attn.scale,
+                                           window=window_l, implementation=attention)
+            elif k_cache is None:
                 attended = attend(q, k_new, v_new, mask_l, scale=attn.scale)
             else:
                 attended = attend_cached(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
@@ -320,7 +336,8 @@ class Decoder(nnx.Module):
             return (h, taps), (k_new, v_new) if k_cache is not None else None
 
         (h, taps), outs = run_layers(self, step, (h, taps), inputs_of,
-                                     None if cache is None else (cache.k, cache.v))
+                                     None if cache is None else (cache.k, cache.v),
+                                     split_types=segment_ids is not None)
         new_kv = None
         if cache is not None:
             new_kv = tuple(grouped(tuple(o[i] for o in outs)) for i in (0, 1))

@@ -48,31 +48,25 @@ class TrainState(NamedTuple):
 # ----------------------------------------------------------------------------- forward
 
 
-def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """int [b, L] segment ids -> bool [b, L, L]: query q sees key k when k <= q, both are in the
-    same segment and the segment is not padding (0)."""
-    index = jnp.arange(segment_ids.shape[1])
-    causal = index[None, :] <= index[:, None]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same & (segment_ids[:, None, :] != 0)
-
-
-def target_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...]):
-    """The frozen target's features of packed rows (no gradient).
+def target_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...],
+                    attention: str | None = None):
+    """The frozen target's features of packed rows (no gradient), attended within their
+    segments by ``attention`` (``fused_attention.IMPLEMENTATIONS``; None: the backend's).
 
     Returns:
       (taps [b, L, m*d] raw outputs of ``tap_layer_ids``, hidden [b, L, d] final-normed).
     """
-    out = target(batch["input_ids"], batch["positions"],
-                 mask=packed_causal_mask(batch["segment_ids"]), tap_layer_ids=tuple(tap_layer_ids))
+    out = target(batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
+                 attention=attention, tap_layer_ids=tuple(tap_layer_ids))
     return jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.hidden)
 
 
-def batch_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...], dtype):
+def batch_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...], dtype,
+                   attention: str | None = None):
     """(taps [b, L, m*d], hidden [b, L, d]) in ``dtype``: the batch's cached features when it
     has them, else :func:`target_features`."""
     if "taps" not in batch:
-        return target_features(target, batch, tap_layer_ids)
+        return target_features(target, batch, tap_layer_ids, attention)
     d = target.config.hidden_size
     if batch["taps"].shape[-1] != len(tap_layer_ids) * d or batch["hidden"].shape[-1] != d:
         raise ValueError(f"cached features of widths {batch['taps'].shape[-1]} (taps) and "
@@ -96,7 +90,8 @@ def loss_sums_fn(drafter_params: nnx.State, drafter_graphdef, target_graphdef,
     batch = jax.tree.map(jnp.asarray, batch)
     drafter = nnx.merge(drafter_graphdef, cast_floats(drafter_params, compute_dtype))
     target = nnx.merge(target_graphdef, cast_floats(target_state, compute_dtype))
-    taps, hidden = batch_features(target, batch, drafter.config.target_layer_ids, compute_dtype)
+    taps, hidden = batch_features(target, batch, drafter.config.target_layer_ids, compute_dtype,
+                                  train_cfg.get("attention") or None)
     out = drafter.forward_train(
         target, input_ids=batch["input_ids"], taps=taps, anchors=batch["anchors"],
         keep=batch["keep"], loss_mask=batch["loss_mask"], positions=batch["positions"],

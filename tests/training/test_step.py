@@ -16,6 +16,7 @@ from ml_collections import ConfigDict
 
 import dspark_jax
 from dspark_jax import experiment, sharding
+from dspark_jax.models import fused_attention
 from dspark_jax.models.drafter import block_attention_mask
 from dspark_jax.target import init_target
 from dspark_jax.training import step as train_step
@@ -103,7 +104,7 @@ def test_masks_never_cross_segments():
     seq = segment_ids.shape[1]
     q, k = np.arange(seq)[:, None], np.arange(seq)[None, :]
     same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
-    np.testing.assert_array_equal(train_step.packed_causal_mask(jnp.asarray(segment_ids)),
+    np.testing.assert_array_equal(fused_attention.segment_mask(jnp.asarray(segment_ids)),
                                   same & (k <= q)[None])
 
     block, num_anchors = 3, 4

@@ -1,0 +1,107 @@
+"""Causal attention within packed segments, through fused kernels on accelerators.
+
+The packed target forward of training and of the feature cache attends causally within
+segments (``segment_ids``; 0 is padding) and, on sliding layers, within a window. By backend:
+
+* TPU, ``"splash"``: splash attention (Pallas; block-sparse, so key blocks above the diagonal or
+  outside the window are skipped) with segment ids, one multi-query kernel per kv head;
+* GPU, ``"cudnn"``: ``jax.nn.dot_product_attention``, cuDNN's flash attention (bfloat16 /
+  float16 inputs), causal with a left window and the segments as a mask;
+* CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
+
+``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
+arguments, checkable on a CPU. Off a TPU, splash runs in Pallas' interpret mode (tests only).
+Outputs at padding positions differ between implementations (a padding query sees nothing,
+or other padding); nothing reads them.
+
+Shapes: B rows, T tokens, H query heads, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.models.layers import attend
+
+IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash")
+SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be a multiple of one
+
+
+def default_implementation() -> str:
+    """"splash" on a TPU, "cudnn" on a GPU, "einsum" elsewhere."""
+    return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "einsum")
+
+
+def segment_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
+    """int [B, T] segment ids -> bool [B, T, T]: query t sees key s when s <= t, both are in
+    the same segment, the segment is not padding (0), and (with ``window``) t - s < window."""
+    index = jnp.arange(segment_ids.shape[1])
+    visible = index[None, :] <= index[:, None]
+    if window is not None:
+        visible &= index[None, :] > index[:, None] - window
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return visible[None] & same & (segment_ids[:, None, :] != 0)
+
+
+def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                    scale: float | None = None, window: int | None = None,
+                    implementation: str | None = None) -> jax.Array:
+    """Causal attention within segments.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, T, K, D] with H a multiple of K.
+      segment_ids: int [B, T]; 0 marks padding.
+      scale: the scores' scale (None: D ** -0.5).
+      window: a query sees only the keys of its last ``window`` positions (None: all).
+      implementation: one of ``IMPLEMENTATIONS`` (None: :func:`default_implementation`).
+
+    Returns:
+      [B, T, H, D] in q's dtype (at real positions the same for every implementation, to
+      float tolerance).
+    """
+    impl = implementation or default_implementation()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl == "einsum":
+        return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
+    if impl in ("xla", "cudnn"):
+        same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=same[:, None], scale=scale, is_causal=True,
+            local_window_size=None if window is None else (window - 1, 0), implementation=impl)
+    if impl == "splash":
+        return _splash(q, k, v, segment_ids, scale, window)
+    raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+
+
+def _splash(q, k, v, segment_ids, scale: float, window: int | None) -> jax.Array:
+    """:func:`attend_segments` by splash attention: per row and kv head, a multi-query kernel
+    over that head's G query heads."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    block = next((size for size in SPLASH_BLOCKS if t % size == 0), None)
+    if block is None:
+        raise ValueError(f"splash attention needs a sequence length that is a multiple of "
+                         f"{SPLASH_BLOCKS[-1]}, got {t}")
+    causal = (sm.CausalMask((t, t)) if window is None else
+              sm.LocalMask((t, t), window_size=(window - 1, 0), offset=0))
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                          block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                          block_kv_dq=block)
+    kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([causal] * g), block_sizes=sizes,
+                                              interpret=jax.default_backend() != "tpu")
+
+    def one(q_head, k_head, v_head, ids):  # [G, T, D], [T, D], [T, D], int [T]
+        return kernel(q_head, k_head, v_head, segment_ids=sk.SegmentIds(q=ids, kv=ids))
+
+    qg = (q * jnp.asarray(scale, q.dtype)).reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4)
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_head)(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                             segment_ids.astype(np.int32))  # [B, K, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
