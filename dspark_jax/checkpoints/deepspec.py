@@ -40,7 +40,8 @@ from flax import nnx
 from dspark_jax import sharding
 from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
-from dspark_jax.model_config import FULL, MODEL_TYPES, model_config_from_hf, model_config_to_hf
+from dspark_jax.model_config import (FULL, GEMMA4_TYPES, MODEL_TYPES, model_config_from_hf,
+                                     model_config_to_hf)
 from dspark_jax.drafter_config import DEEPSPEC_HEAD_TYPES, check_fit, drafter_config
 from dspark_jax.models.drafter import DSparkModel
 
@@ -62,13 +63,16 @@ COMPARE_ROWS = 4096  # rows per float32 chunk when a copy is compared with the t
 def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenConfigDict:
     """The draft layers' architecture: the target's config with ``num_layers`` full-attention
     layers (a draft block sees its whole context, also over a sliding-window target; over
-    Gemma4, with the target's full-layer shape) and no per-layer scalar (DeepSpec's Gemma4
-    drafter holds one as a buffer of ones that training never changes)."""
+    Gemma4, with the target's full-layer shape), an untied head, no per-layer scalar
+    (DeepSpec's Gemma4 drafter holds one as a buffer of ones that training never changes) and,
+    over either Gemma4 family, model_type gemma4_text as DeepSpec writes it."""
     fields = target_config.as_configdict().to_dict()
     fields["num_hidden_layers"] = int(num_layers)
     fields["layer_types"] = (FULL,) * int(num_layers)
     fields["sliding_window"] = None
     fields["tie_word_embeddings"] = False  # as DeepSpec's draft config (its lm_head is a copy)
+    if fields["model_type"] in GEMMA4_TYPES:  # DeepSpec's Gemma4 drafter config is a Gemma4TextConfig
+        fields["model_type"] = "gemma4_text"
     return _without_layer_scalar(ml_collections.FrozenConfigDict(fields))
 
 

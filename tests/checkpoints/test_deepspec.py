@@ -283,29 +283,64 @@ def test_gemma4_deepspec_layout(tmp_path):
         dspark_jax.load_drafter(_with_tensors(folder, tmp_path, trained_scalar), gemma4)
 
 
-def test_gemma4_12b_config_names_without_allocation():
-    """configs/dspark_gemma4_12b.py over a stand-in Gemma4 target of 48 layers (the 12B model's
-    config.json is not available offline, so its widths here are small): DeepSpec's tensor
-    names and config fields, from abstract shapes only."""
+# google/gemma-4-12B-it's config.json as released (a multimodal Gemma4Unified checkpoint; the
+# text model's fields as public copies of it give them), and the config.json of DeepSpec's
+# published drafter deepseek-ai/dspark_gemma4_12b_block7 (its fields that matter here).
+GEMMA4_12B_TEXT = dict(
+    model_type="gemma4_unified_text", vocab_size=262144, hidden_size=3840, intermediate_size=15360,
+    num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8,
+    num_global_key_value_heads=1, head_dim=256, global_head_dim=512, attention_k_eq_v=True,
+    sliding_window=1024, max_position_embeddings=262144, final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, use_bidirectional_attention="vision",
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+    rope_parameters={"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6,
+                                        "rope_type": "proportional"},
+                     "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}})
+GEMMA4_12B = dict(architectures=["Gemma4UnifiedForConditionalGeneration"], model_type="gemma4_unified",
+                  tie_word_embeddings=True, text_config=GEMMA4_12B_TEXT)
+DSPARK_GEMMA4_12B_BLOCK7 = dict(
+    {k: v for k, v in GEMMA4_12B_TEXT.items() if k != "layer_types"},
+    architectures=["Gemma4DSparkModel"], model_type="gemma4_text", num_hidden_layers=5,
+    layer_types=["full_attention"] * 5, hidden_size_per_layer_input=0, enable_moe_block=False,
+    num_kv_shared_layers=0, tie_word_embeddings=False, block_size=7, mask_token_id=4,
+    target_layer_ids=[5, 17, 29, 41, 46], num_target_layers=48, num_anchors=512, markov_rank=256,
+    markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
+    target_model_type="gemma4_unified", target_text_model_type="gemma4_unified_text")
+
+
+def test_gemma4_12b_names_and_shapes_without_allocation():
+    """configs/dspark_gemma4_12b.py over the real 12B target config: DeepSpec's tensor names and
+    shapes from abstract shapes only, and the published drafter's config.json reads as the same
+    drafter."""
     import importlib.util
     from pathlib import Path
+
+    from dspark_jax.model_config import text_model_hf
 
     path = Path(__file__).resolve().parents[2] / "configs" / "dspark_gemma4_12b.py"
     spec = importlib.util.spec_from_file_location("dspark_gemma4_12b", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = drafter_config(**module.get_config().drafter.to_dict())
-    target_cfg = model_config_from_hf(dict(GEMMA4, num_hidden_layers=48, layer_types=None))
+    target_cfg = model_config_from_hf(text_model_hf(GEMMA4_12B))
+    assert (target_cfg.num_global_key_value_heads, target_cfg.global_head_dim) == (1, 512)
     model_cfg = deepspec.draft_model_config(target_cfg, cfg.num_layers)
     _, abstract = deepspec.abstract_drafter(model_cfg, cfg, jax.numpy.bfloat16)
+    assert isinstance(nnx.to_flat_state(abstract)[0][1].get_value(), jax.ShapeDtypeStruct)
     shapes = deepspec.tensor_shapes("deepspec", cfg, abstract, target_cfg)
-    assert shapes == gemma4_spec_shapes(d=32, heads=4, kv=1, hd=16, inner=64, vocab=64, taps=5,
-                                        rank=256, layers=5)
+    assert shapes == gemma4_spec_shapes(d=3840, heads=16, kv=1, hd=512, inner=15360, vocab=262144,
+                                        taps=5, rank=256, layers=5)
     hf_config = deepspec.hf_config_for("deepspec", model_cfg, cfg, target_cfg, num_anchors=512)
     assert hf_config["architectures"] == ["Gemma4DSparkModel"]
-    assert {k: hf_config[k] for k in ("block_size", "mask_token_id", "target_layer_ids",
-                                      "num_target_layers", "markov_rank", "enable_confidence_head",
-                                      "confidence_head_with_markov", "final_logit_softcapping")} == dict(
-        block_size=7, mask_token_id=4, target_layer_ids=[5, 17, 29, 41, 46], num_target_layers=48,
-        markov_rank=256, enable_confidence_head=True, confidence_head_with_markov=True,
-        final_logit_softcapping=8.0)
+    for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers",
+                "num_anchors", "markov_rank", "markov_head_type", "enable_confidence_head",
+                "confidence_head_with_markov", "tie_word_embeddings", "num_hidden_layers",
+                "layer_types", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+                "head_dim", "final_logit_softcapping", "hidden_size", "intermediate_size"):
+        assert hf_config[key] == DSPARK_GEMMA4_12B_BLOCK7[key], key
+    assert hf_config["rope_parameters"]["full_attention"] == dict(
+        rope_type="proportional", partial_rotary_factor=0.25, rope_theta=1e6)
+    layout, published_model_cfg, published_cfg, layers = deepspec.parse_hf_config(
+        DSPARK_GEMMA4_12B_BLOCK7, target_cfg)
+    assert (layout, published_cfg, layers) == ("deepspec", cfg, 48)
+    assert published_model_cfg == model_cfg  # model_type gemma4_text, as DeepSpec writes it
