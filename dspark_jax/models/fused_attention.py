@@ -5,8 +5,9 @@ segments (``segment_ids``; 0 is padding) and, on sliding layers, within a window
 
 * TPU, ``"splash"``: splash attention (Pallas; block-sparse, so key blocks above the diagonal or
   outside the window are skipped) with segment ids, one multi-query kernel per kv head;
-* GPU, ``"cudnn"``: ``jax.nn.dot_product_attention``, cuDNN's flash attention (bfloat16 /
-  float16 inputs), causal with a left window and the segments as a mask;
+* GPU, ``"cudnn"``: ``jax.nn.dot_product_attention``, causal with a left window and the
+  segments as a mask, left to pick cuDNN's flash attention where it applies (bfloat16 /
+  float16 on a supported GPU) and XLA's otherwise;
 * CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
 
 ``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
@@ -69,7 +70,8 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
         return jax.nn.dot_product_attention(
             q, k, v, mask=same[:, None], scale=scale, is_causal=True,
-            local_window_size=None if window is None else (window - 1, 0), implementation=impl)
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation="xla" if impl == "xla" else None)
     if impl == "splash":
         return _splash(q, k, v, segment_ids, scale, window)
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "

@@ -10,7 +10,8 @@ Attention is the only part that needs the rows: each layer scatters the flat que
 values into an [S, Q] grid (row, column within the row), attends per row over the row's
 committed cache slots plus its own new tokens (causal by column), and gathers the result back
 to the flat layout. Every row's cache is read once, as in a dense batch. A cache of no slots is
-a prefill: the rows are prompts (segment ids = rows) and long ones attend in query chunks.
+a prefill: the rows are prompts (segment ids = rows), attended by the backend's fused kernel
+(``fused_attention``; on a CPU the einsum, long rows in query chunks).
 
 Shapes: T flat tokens, S cache rows, Q columns per row, N cache slots per row, L layers,
 H query heads, K kv heads, D head dim, d hidden size, m taps.
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from dspark_jax.model_config import FULL, SLIDING
 from dspark_jax.models.decoder import Decoder, grouped, run_layers, window_mask
 from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.fused_attention import attend_segments, default_implementation
 from dspark_jax.models.layers import attend, attend_cached
 
 
@@ -45,7 +47,7 @@ def to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width
 def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows: jax.Array,
                    cols: jax.Array, starts: jax.Array, cache: KVCache, *, width: int,
                    tap_layer_ids: tuple[int, ...] = (), dense: bool = False,
-                   view: int | None = None) -> RaggedOutput:
+                   view: int | None = None, attention: str | None = None) -> RaggedOutput:
     """Runs the decoder on flat tokens that extend the rows of ``cache``.
 
     Args:
@@ -64,6 +66,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       view: static number of leading cache slots the attention reads (None: all N). Every
         start must be at most ``view``: a token never sees a slot at or past its row's start,
         so the slots past the view are never read, and the attention costs O(view), not O(N).
+      attention: a prefill's kernel (``fused_attention.IMPLEMENTATIONS``; None: the
+        backend's); splash needs a width that is a multiple of 128, others use the einsum.
 
     Returns:
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
@@ -74,20 +78,24 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     for layer_id in tap_layer_ids:
         if not -1 <= layer_id < num_layers:
             raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
+    impl = attention or default_implementation()
+    fused = num_slots == 0 and impl != "einsum" and (impl != "splash" or width % 128 == 0)
     h = model.embed(tokens[None])  # [1, T, d]
     cached = jnp.broadcast_to(jnp.arange(num_slots)[None, None, :] < starts[:, None, None],
                               (num_rows, width, num_slots))
     causal = jnp.broadcast_to(jnp.arange(width)[None, :] <= jnp.arange(width)[:, None],
                               (num_rows, width, width))
 
-    def inputs_of(layer_type):  # (rope, mask over the cache, mask over the row's new tokens)
+    def inputs_of(layer_type):  # (rope, mask over the cache, over the row's new tokens, window)
         if layer_type == FULL:
-            return model.rope(positions[None]), cached, causal
+            return model.rope(positions[None]), cached, causal, None
         window = model.config.sliding_window  # a grid token (row, col) is at starts[row] + col
+        if fused:  # the kernel takes the window itself (static)
+            return model.rope(positions[None], SLIDING), None, None, window
         columns = jnp.arange(width)
         return (model.rope(positions[None], SLIDING),
                 cached & window_mask(starts[:, None] + columns, jnp.arange(num_slots)[None], window),
-                causal & window_mask(columns, columns, window))
+                causal & window_mask(columns, columns, window), None)
     tap_ids = jnp.asarray(tap_layer_ids, jnp.int32)
     taps = None
     if tap_layer_ids:
@@ -103,7 +111,7 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     def step(layer, index, inputs, k_cache, v_cache, carry):
         h, taps = carry
         attn = layer.self_attn
-        (cos_l, sin_l), cached_l, causal_l = inputs
+        (cos_l, sin_l), cached_l, causal_l, window_l = inputs
         x = layer.input_layernorm(h)
         q = attn.queries(x, cos_l, sin_l)[0]
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos_l, sin_l))
@@ -112,6 +120,9 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
             keys, values = k_cache[..., :num_slots], v_cache[:, :, :num_slots]
             out = attend_cached(q_grid, keys.astype(k_new.dtype), values.astype(v_new.dtype),
                                 cached_l, k_grid, v_grid, causal_l, scale=attn.scale)
+        elif fused:  # a prefill: each row one segment of its tokens
+            out = attend_segments(q_grid, k_grid, v_grid, row_tokens, scale=attn.scale,
+                                  window=window_l, implementation=impl)
         else:  # a prefill: no history, long rows attended in query chunks
             out = attend(q_grid, k_grid, v_grid, causal_l, scale=attn.scale)
         out = out.reshape(q.shape) if dense else out[safe_rows, cols]
@@ -120,7 +131,9 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
             taps = jnp.where((tap_ids == index)[:, None, None, None], h[None], taps)
         return (h, taps), (k_grid, v_grid)
 
-    (h, taps), outs = run_layers(model, step, (h, taps), inputs_of, (cache.k, cache.v))
+    row_tokens = grid(jnp.ones(tokens.shape, jnp.int32)) if fused else None  # [S, Q]: 1 = token
+    (h, taps), outs = run_layers(model, step, (h, taps), inputs_of, (cache.k, cache.v),
+                                 split_types=fused)
     if taps is not None:
         taps = jnp.moveaxis(taps[:, 0], 0, 1).reshape(tokens.shape[0], -1)
     new_k, new_v = (grouped(tuple(o[i] for o in outs)) for i in (0, 1))

@@ -87,3 +87,33 @@ def test_bad_uses_are_named():
     tokens = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="segment_ids replace the mask"):
         model(tokens, tokens, segment_ids=tokens, mask=jnp.ones((1, 4, 4), bool))
+
+
+@pytest.mark.parametrize("implementation", FUSED)
+def test_the_engine_prefill_equals_the_einsum_one(implementation):
+    """The engine's ragged prefill (a cache of no slots): rows of different lengths in a grid
+    of 128 columns, over Gemma4's interleaved stacks and sliding windows."""
+    from dspark_jax.models.kv_cache import KVCache
+    from dspark_jax.models.ragged import ragged_forward
+
+    target = init_target(GEMMA4, seed=3)
+    model = target.model
+    rng = np.random.default_rng(4)
+    lengths, width = np.array([100, 37, 128]), 128
+    rows = np.concatenate([np.full(n, r) for r, n in enumerate(lengths)] + [[3, 3]])
+    cols = np.concatenate([np.arange(n) for n in lengths] + [[0, 0]])
+    tokens = jnp.asarray(rng.integers(0, 64, rows.shape))
+    cache = KVCache.for_model(model.config, len(lengths), 0, jnp.float32)
+
+    def prefill(impl):
+        return jax.jit(lambda *a: ragged_forward(model, *a, width=width, tap_layer_ids=(1, 2),
+                                                 attention=impl))(
+            tokens, jnp.asarray(cols), jnp.asarray(rows), jnp.asarray(cols),
+            jnp.zeros(len(lengths), jnp.int32), cache)
+
+    ref, out = prefill("einsum"), prefill(implementation)
+    real = rows < len(lengths)
+    np.testing.assert_allclose(np.asarray(out.hidden)[real], np.asarray(ref.hidden)[real], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.taps)[real], np.asarray(ref.taps)[real], atol=1e-4)
+    for got, want in zip(jax.tree.leaves(out.new_k), jax.tree.leaves(ref.new_k), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
