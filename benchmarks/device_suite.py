@@ -25,6 +25,11 @@ Sections, each timed after its own compilation, each written to the JSON as soon
    inside the step), ``--train-rows`` rows of ``--train-length`` tokens, 512 anchors per row,
    bfloat16: tokens/s, and MFU = XLA's cost analysis FLOPs per step / step time /
    ``--peak-flops`` (989 TFLOP/s, the H200's dense bfloat16 peak).
+5. ``attention``: the packed target forward of training (``--train-rows`` rows of
+   ``--train-length`` tokens, four segments and some padding per row) through the einsum over
+   the dense mask and through the backend's fused kernel (``models/fused_attention.py``: cuDNN
+   via ``jax.nn.dot_product_attention`` on a GPU, splash on a TPU; XLA's ``jax.nn`` on a CPU):
+   ms each, the speedup, and the largest difference of their hidden states at real tokens.
 
 ``--smoke`` shrinks every shape (a 6-layer target, few tokens) so that the whole script runs on a
 CPU in about two minutes (in float32 there: XLA:CPU lacks some bfloat16 dots): it checks the code
@@ -233,7 +238,40 @@ def train(args, target, cfg) -> dict:
                 mfu=flops / seconds / args.peak_flops if flops else None)
 
 
-SECTIONS = {"decode": decode, "sps": sps, "speculative": speculative, "train": train}
+def attention(args, target, cfg) -> dict:
+    """Section 5: the packed target forward through the einsum and through the fused kernel."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dspark_jax.models import fused_attention
+
+    rows, length = args.train_rows, args.train_length
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg["vocab_size"], (rows, length)), jnp.int32)
+    quarter = length // 4
+    segments = np.repeat(np.arange(1, 5, dtype=np.int32), quarter)[None].repeat(rows, 0)
+    segments[:, length - length // 16:] = 0  # padding at the end of every row
+    positions = jnp.asarray(np.broadcast_to(np.arange(length) % quarter, (rows, length)), jnp.int32)
+    segments = jnp.asarray(segments)
+    fused = fused_attention.default_implementation()
+    fused = "xla" if fused == "einsum" else fused
+    result, outputs = dict(rows=rows, length=length, fused=fused), {}
+    for impl in ("einsum", fused):
+        forward = jax.jit(lambda state, impl=impl: nnx.merge(target.graphdef, state)(
+            tokens, positions, segment_ids=segments, attention=impl).hidden)
+        outputs[impl] = forward(target.state)
+        result[impl + "_ms"] = 1e3 * median_seconds(lambda: forward(target.state), args.repeats)
+    real = np.asarray(segments) != 0
+    result["speedup"] = result["einsum_ms"] / result[fused + "_ms"]
+    result["max_abs_diff"] = float(np.max(np.abs(
+        np.asarray(outputs[fused], np.float32)[real] - np.asarray(outputs["einsum"], np.float32)[real])))
+    return result
+
+
+SECTIONS = {"decode": decode, "sps": sps, "speculative": speculative, "train": train,
+            "attention": attention}
 
 
 def main():

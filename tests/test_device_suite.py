@@ -19,9 +19,10 @@ def test_smoke_run_fills_every_section(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(output.read_text())
-    for section in ("decode", "sps", "speculative", "train"):
+    for section in ("decode", "sps", "speculative", "train", "attention"):
         assert "error" not in result[section], result[section]
     assert result["decode"]["batch_1"]["tokens_per_s"] > 0
     assert result["sps"]["decode_steps"]["1"] == 1.0
     assert result["speculative"]["batch_1"]["draft_ms"] > 0
     assert result["train"]["flops_per_step"] > 0 and result["train"]["mfu"] > 0
+    assert result["attention"]["fused"] == "xla" and result["attention"]["max_abs_diff"] < 1e-4
