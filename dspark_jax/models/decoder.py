@@ -81,11 +81,10 @@ class DecoderLayer(nnx.Module):
         return h if self.layer_scalar is None else h * self.layer_scalar[...]
 
 
-def pick(sliding: jax.Array | None, full, slid):
-    """A layer's input: ``full`` for a full-attention layer, ``slid`` (a pytree of the same
-    structure) for a sliding one; ``sliding`` is the scanned bool [] (None: no sliding layers)."""
-    if sliding is None:
-        return full
+def pick(sliding: jax.Array, full, slid):
+    """A layer's input in a scan over layers of both types: ``full`` for a full-attention
+    layer, ``slid`` (a pytree of the same structure) for a sliding one; ``sliding`` is the
+    scanned bool []."""
     return jax.tree.map(lambda a, b: jnp.where(sliding, b, a), full, slid)
 
 
