@@ -71,9 +71,10 @@ def draft_model_config(target_config, num_layers: int) -> ml_collections.FrozenC
     fields["layer_types"] = (FULL,) * int(num_layers)
     fields["sliding_window"] = None
     fields["tie_word_embeddings"] = False  # as DeepSpec's draft config (its lm_head is a copy)
+    fields["layer_scalar"] = False  # see _without_layer_scalar
     if fields["model_type"] in GEMMA4_TYPES:  # DeepSpec's Gemma4 drafter config is a Gemma4TextConfig
         fields["model_type"] = "gemma4_text"
-    return _without_layer_scalar(ml_collections.FrozenConfigDict(fields))
+    return ml_collections.FrozenConfigDict(fields)
 
 
 def _without_layer_scalar(model_cfg) -> ml_collections.FrozenConfigDict:

@@ -139,22 +139,20 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
     Returns:
       (carry, outs): ``outs`` a tuple with, per group, the stacked outputs [L_g, ...] of its
       layers.
+
+    A run of part of a stack reads its layers from the whole stack (and cache) inside the scan,
+    by index, as a scan over a whole stack does: slicing the stack first would copy it.
     """
     cfg = model.config
     groups = layer_groups(cfg)
-    stacks = model.layer_stacks
     if caches is None:
         caches = ((None,) * len(groups),) * 2
     k_groups, v_groups = (c if isinstance(c, tuple) else (c,) for c in caches)
     outs = [[] for _ in groups]
     for g, first, end in layer_runs(cfg, split_types):
         ids = groups[g][first:end]
-        whole = (first, end) == (0, len(groups[g]))
-
-        def part(x):
-            return x if whole or x is None else x[first:end]
-
-        graphdef, state = nnx.split(stacks[g])
+        graphdef, state = nnx.split(model.layer_stacks[g])
+        stack = (state, k_groups[g], v_groups[g])
         types = {cfg.layer_types[i] for i in ids}
         sliding = None
         if len(types) == 1:
@@ -164,20 +162,26 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
             sliding = jnp.asarray([cfg.layer_types[i] == SLIDING for i in ids])
 
         def step(carry, xs):
-            state, index, is_sliding, k_cache, v_cache = xs
+            entry, index, is_sliding = xs
+            state, k_cache, v_cache = jax.tree.map(
+                lambda x: jax.lax.dynamic_index_in_dim(x, entry, keepdims=False), stack)
             layer_inputs = inputs if sliding is None else pick(is_sliding, *inputs)
             return body(nnx.merge(graphdef, state), index, layer_inputs, k_cache, v_cache, carry)
 
-        carry, out = jax.lax.scan(step, carry, (jax.tree.map(part, state), jnp.asarray(ids), sliding,
-                                                part(k_groups[g]), part(v_groups[g])))
+        carry, out = jax.lax.scan(step, carry, (jnp.arange(first, end), jnp.asarray(ids), sliding))
         outs[g].append(out)
     return carry, tuple(o[0] if len(o) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *o)
                         for o in outs)
 
 
-def grouped(parts: tuple):
-    """One array per layer group -> the cache field's form: the array itself for one group."""
-    return parts[0] if len(parts) == 1 else tuple(parts)
+def cache_fields(outs: tuple) -> tuple:
+    """Per-group (k, v) outputs of :func:`run_layers` -> (k, v) in the cache fields' form: the
+    arrays themselves for one group, tuples for several."""
+    def field(i):
+        parts = tuple(o[i] for o in outs)
+        return parts[0] if len(parts) == 1 else parts
+
+    return field(0), field(1)
 
 
 def stacked(make_layer, num_layers: int, rngs: nnx.Rngs):
@@ -337,9 +341,7 @@ class Decoder(nnx.Module):
         (h, taps), outs = run_layers(self, step, (h, taps), inputs_of,
                                      None if cache is None else (cache.k, cache.v),
                                      split_types=segment_ids is not None)
-        new_kv = None
-        if cache is not None:
-            new_kv = tuple(grouped(tuple(o[i] for o in outs)) for i in (0, 1))
+        new_kv = None if cache is None else cache_fields(outs)
         if cache is not None and write_cache:
             cache, new_kv = cache.write(*new_kv, positions), None
         if taps is not None:

@@ -42,8 +42,12 @@ def segment_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array
     visible = index[None, :] <= index[:, None]
     if window is not None:
         visible &= index[None, :] > index[:, None] - window
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return visible[None] & same & (segment_ids[:, None, :] != 0)
+    return visible[None] & _same_segment(segment_ids)
+
+
+def _same_segment(segment_ids: jax.Array) -> jax.Array:
+    """bool [B, T, T]: query t and key s are in the same segment, which is not padding."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
 
 
 def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
@@ -67,9 +71,8 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     if impl == "einsum":
         return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
     if impl in ("xla", "cudnn"):
-        same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] != 0)
         return jax.nn.dot_product_attention(
-            q, k, v, mask=same[:, None], scale=scale, is_causal=True,
+            q, k, v, mask=_same_segment(segment_ids)[:, None], scale=scale, is_causal=True,
             local_window_size=None if window is None else (window - 1, 0),
             implementation="xla" if impl == "xla" else None)
     if impl == "splash":

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.model_config import FULL, SLIDING
-from dspark_jax.models.decoder import Decoder, grouped, run_layers, window_mask
+from dspark_jax.models.decoder import Decoder, cache_fields, run_layers, window_mask
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.fused_attention import attend_segments, default_implementation
 from dspark_jax.models.layers import attend, attend_cached
@@ -136,5 +136,5 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
                                  split_types=fused)
     if taps is not None:
         taps = jnp.moveaxis(taps[:, 0], 0, 1).reshape(tokens.shape[0], -1)
-    new_k, new_v = (grouped(tuple(o[i] for o in outs)) for i in (0, 1))
+    new_k, new_v = cache_fields(outs)
     return RaggedOutput(model.norm(h)[0], taps, new_k, new_v)
