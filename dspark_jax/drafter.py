@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import sharding
+from dspark_jax import sharding, storage
 from dspark_jax.checkpoints import deepspec
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints import calibration_file as calibration
@@ -179,6 +179,8 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter
     """
     if str(path) in PACKAGED_DRAFTERS:
         path = packaged_drafter_path(str(path))
+    elif storage.is_remote(path):
+        path = storage.local_folder(path)  # read from this host's local copy
     elif not Path(path).exists():
         raise ValueError(f"no drafter folder {str(path)!r}, and it is not a packaged drafter "
                          f"({', '.join(PACKAGED_DRAFTERS)})")

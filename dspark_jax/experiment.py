@@ -24,6 +24,7 @@ from typing import Sequence
 
 import ml_collections
 
+from dspark_jax import storage
 from dspark_jax.checkpoints import registry
 from dspark_jax.drafter_config import check_fit, default_drafter_config
 from dspark_jax.target import load_target_config
@@ -204,6 +205,8 @@ def _check_folders(config, name: str, root: Path) -> None:
     for field, folders, command in (("train.data_dir", data, "prepare-data"),
                                     ("train.feature_dir", features, "prepare-features")):
         for folder in folders:
+            if storage.is_remote(folder):  # read by the hosts, which have the credentials
+                continue
             path = root / Path(folder).expanduser()
             if not path.is_dir():
                 raise ValueError(f"{name}: {field} folder {path} does not exist")
@@ -218,7 +221,7 @@ def _check_folders(config, name: str, root: Path) -> None:
 def _check_target(config, name: str, root: Path) -> ml_collections.FrozenConfigDict | None:
     """The target's model config, read without its weights, after checking that the drafter
     fits it; None for a registered name (each host resolves it)."""
-    if config.target in registry.REGISTRY:
+    if config.target in registry.REGISTRY or storage.is_remote(config.target):
         return None
     path = root / Path(config.target).expanduser()
     if not path.exists():
@@ -245,6 +248,7 @@ def check_runnable(config: ml_collections.ConfigDict, name: str, root: str | Pat
     must exist and be readable as a model whose layers and vocabulary fit the drafter config,
     and every ``train.data_dir`` and ``train.feature_dir`` folder must exist and hold a
     manifest.json. Relative paths are taken from ``root`` (where ``dspark-jax train`` will run).
+    Object-store paths (gs://...) are left to the hosts, which read them.
 
     Args:
       config: an experiment config (``configs/*.py``).
@@ -253,8 +257,8 @@ def check_runnable(config: ml_collections.ConfigDict, name: str, root: str | Pat
       paths: False checks only that the fields are set (paths that exist elsewhere).
 
     Returns:
-      The target's model config (read without the weights); None for a registered target or
-      ``paths=False``.
+      The target's model config (read without the weights); None for a registered or remote
+      target, or ``paths=False``.
 
     Raises:
       ValueError: naming the config, the field and what to pass.

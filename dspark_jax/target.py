@@ -23,7 +23,7 @@ from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
 from dspark_jax.model_config import (layer_groups, model_config_from_hf, model_config_to_hf,
                                      text_model_hf)
 from dspark_jax.models.decoder import Decoder
-from dspark_jax import sharding
+from dspark_jax import sharding, storage
 
 # Target checkpoints keep transformers' names: "model." prefix, lm_head outside it.
 HF_PREFIX = "model."
@@ -126,7 +126,7 @@ class Target:
             hf.write_safetensors(dict(self.torch_tensors()), tmp)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
-        return hf.atomic_folder(folder, write)
+        return storage.write_folder(folder, write)
 
     def save_gguf(self, path: str | os.PathLike) -> Path:
         """Writes a float32 GGUF file (llama.cpp layout, q/k rows permuted for Llama)."""
@@ -141,7 +141,7 @@ class Target:
                  "dtype": str(np.dtype(self.dtype))}, indent=2))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
-        return hf.atomic_folder(folder, write)
+        return storage.write_folder(folder, write, marker=ORBAX_MARKER)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -252,7 +252,8 @@ def load_registered(name: str, dtype=None) -> Target:
 
 
 def _source_kind(source: str | os.PathLike) -> tuple[str, str | Path]:
-    """("registered", name), ("gguf", path), ("orbax", path) or ("hf", path) of a target source.
+    """("registered", name), ("gguf", path), ("orbax", path) or ("hf", path) of a target source
+    (an object-store URI, gs://..., names the local copy it is fetched into).
 
     Raises:
       CheckpointError: none of those (e.g. a Hugging Face hub id: nothing is downloaded).
@@ -260,6 +261,9 @@ def _source_kind(source: str | os.PathLike) -> tuple[str, str | Path]:
     text = str(source)
     if text in registry.REGISTRY:
         return "registered", text
+    if storage.is_remote(text):  # read from this host's local copy
+        return _source_kind(storage.local_copy(text) if text.endswith(".gguf")
+                            else storage.local_folder(text))
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return "gguf", path

@@ -15,7 +15,8 @@ Before any command runs, the config is loaded with the overrides and checked: th
 (``--train.data_dir=``, each with the manifest.json of ``dspark-jax prepare-data``) are
 required and must exist on this machine under the paths the hosts see (a shared or mounted
 filesystem; relative paths start at the project root); ``--remote-paths`` checks only that
-they are given.
+they are given. Object-store URIs (``gs://``, ``s3://``) are passed through unchecked; give
+``--workdir`` one the hosts share, so that they write one set of checkpoints.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, REPO_DIR, add_check_args, check_config, install_command,  # noqa: E402
+from common import (ROOT, REPO_DIR, add_run_args, check_config, install_command,  # noqa: E402
                     run, split_overrides, train_command)
 
 
@@ -37,9 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="config file, relative to the project root")
     p.add_argument("--cuda-extra", default="jax[cuda12]", help="pip spec of JAX for the GPUs")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    add_check_args(p)
+    add_run_args(p)
     args = p.parse_args(argv)
-    check_config(args.config, overrides, args.remote_paths)
+    check_config(args.config, overrides, args.remote_paths, args.workdir,
+                 hosts=len([h for h in args.hosts.split(",") if h]))
 
     hosts = [h for h in args.hosts.split(",") if h]
     coordinator = f"{hosts[0].split('@')[-1]}:{args.port}"
@@ -51,7 +53,7 @@ def main(argv=None) -> int:
         distributed = (f"--coordinator {coordinator} --num-processes {len(hosts)} "
                        f"--process-id {i}")
         # every host but the last runs in the background; the last one holds the terminal
-        run(["ssh", host, train_command(args.config, overrides, distributed)], args.dry_run,
+        run(["ssh", host, train_command(args.config, overrides, distributed, args.workdir)], args.dry_run,
             background=i < len(hosts) - 1)
     return 0
 

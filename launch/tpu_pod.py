@@ -4,8 +4,9 @@ Every host of the slice runs the same ``dspark-jax train`` command; ``--distribu
 call ``jax.distributed.initialize()``, which discovers the slice's hosts on TPU by itself.
 
     python launch/tpu_pod.py --name dspark --zone us-east5-a --accelerator v5p-32 \
-        --config configs/dspark_qwen3_4b.py [--dry-run] [--remote-paths] -- \
-        --target=/models/Qwen3-4B --train.data_dir="('/data/qwen3',)" [--train.max_steps=100 ...]
+        --config configs/dspark_qwen3_4b.py [--workdir gs://bucket/runs/qwen3] [--dry-run] \
+        [--remote-paths] -- --target=gs://bucket/Qwen3-4B \
+        --train.data_dir="('gs://bucket/data/qwen3',)" [--train.max_steps=100 ...]
 
 ``--dry-run`` prints the gcloud commands without running them. ``--skip-create`` reuses an
 existing VM. Everything after ``--`` is passed to ``dspark-jax train`` as config overrides.
@@ -14,7 +15,9 @@ Before any command runs, the config is loaded with the overrides and checked: th
 (``--train.data_dir=``, each with the manifest.json of ``dspark-jax prepare-data``) are
 required and must exist on this machine under the paths the hosts see (a shared or mounted
 filesystem; relative paths start at the project root); ``--remote-paths`` checks only that
-they are given.
+they are given. Object-store URIs (``gs://``) are passed through unchecked: every host reads the
+same data and target (a local copy of the target on each) and, with ``--workdir gs://...``,
+writes one set of Orbax checkpoints that a later run on any slice resumes.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, REPO_DIR, add_check_args, check_config, install_command,  # noqa: E402
+from common import (ROOT, REPO_DIR, add_run_args, check_config, install_command,  # noqa: E402
                     run, split_overrides, train_command)
 
 
@@ -40,9 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--spot", action="store_true", help="create a spot VM")
     p.add_argument("--skip-create", action="store_true", help="reuse an existing VM")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    add_check_args(p)
+    add_run_args(p)
     args = p.parse_args(argv)
-    check_config(args.config, overrides, args.remote_paths)
+    check_config(args.config, overrides, args.remote_paths, args.workdir, hosts=0)
 
     gcloud = ["gcloud", "compute", "tpus", "tpu-vm"]
     where = ["--zone", args.zone] + (["--project", args.project] if args.project else [])
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
     run(gcloud + ["ssh", args.name, "--worker=all", "--command",
                   install_command("jax[tpu]")] + where, args.dry_run)
     run(gcloud + ["ssh", args.name, "--worker=all", "--command",
-                  train_command(args.config, overrides, "--distributed")] + where, args.dry_run)
+                  train_command(args.config, overrides, "--distributed", args.workdir)] + where, args.dry_run)
     return 0
 
 

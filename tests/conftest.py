@@ -137,3 +137,14 @@ def smollm2(smollm2_cache):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSPARK_JAX_CACHE", str(smollm2_cache))
         return dspark_jax.load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def fake_gcs(tmp_path, monkeypatch):
+    """gs:// served from a local folder (tests/fake_gcs.py); local copies of remote files go to
+    a fresh cache. Yields the FakeGCS class (its ``writes`` list the objects written)."""
+    import fake_gcs as fake
+
+    fake.install(tmp_path / "gcs")
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "cache"))
+    yield fake.FakeGCS

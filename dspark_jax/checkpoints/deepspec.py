@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from dspark_jax import sharding
+from dspark_jax import sharding, storage
 from dspark_jax.checkpoints import hf, orbax_params
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.model_config import (FULL, GEMMA4_TYPES, MODEL_TYPES, model_config_from_hf,
@@ -382,7 +382,8 @@ def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.S
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         hf.write_safetensors(drafter_tensors(layout, cfg, state, target_state, target_config), tmp)
 
-    return hf.atomic_folder(folder, write)
+    return storage.write_folder(folder, write,
+                                marker=ORBAX_MARKER if layout == "orbax" else "config.json")
 
 
 def _plain(cfg) -> dict:

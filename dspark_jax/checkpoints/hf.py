@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -216,26 +214,3 @@ def write_safetensors(tensors: Mapping[str, np.ndarray], folder: Path,
         weight_map.update({k: name for k in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
-
-
-def atomic_folder(destination: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Writes a folder through ``write(tmp)`` and renames it into place, so that a reader never
-    sees a partial folder; an existing destination is replaced."""
-    destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
-    try:
-        write(tmp)
-        if destination.exists():
-            old = destination.with_name(f".{destination.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            destination.rename(old)
-            tmp.rename(destination)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(destination)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return destination
-

@@ -1,7 +1,7 @@
 """Model parameters in an Orbax folder: the one save/restore used by targets and drafters.
 
 The parameters go to ``<folder>/params`` as a plain nested dict; the caller writes its own
-metadata (config, dtype) beside them and makes the folder atomic (``hf.atomic_folder``).
+metadata (config, dtype) beside them and makes the folder atomic (``storage.write_folder``).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ same data as an uninterrupted one.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from dspark_jax import storage
 from dspark_jax.generation import generate
 from dspark_jax.jsonl import read_jsonl
 from dspark_jax.prompts import chat_ids
@@ -113,14 +115,11 @@ def batch_seed(seed: int, first_prompt: int) -> int:
     return int(np.random.SeedSequence([seed, first_prompt]).generate_state(1)[0])
 
 
-def _atomic_write(path: Path, write: Callable) -> None:
-    """Writes ``path`` through ``write(binary file)`` into a temporary file, then renames it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _atomic_write(path: storage.PathLike, write: Callable) -> None:
+    """Writes ``path`` (local or remote) whole through ``write(binary file)``."""
+    buffer = io.BytesIO()
+    write(buffer)
+    storage.write_atomic(path, buffer.getvalue())
 
 
 def shard_arrays(samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -140,7 +139,7 @@ def tokens_crc32(shard: dict[str, np.ndarray]) -> int:
     return zlib.crc32(np.ascontiguousarray(shard["offsets"], np.int64).tobytes(), crc)
 
 
-def write_shard(path: Path, samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> None:
+def write_shard(path: storage.PathLike, samples: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> None:
     """Writes (prompt_index, input_ids [S], loss_mask [S]) samples as one shard (format above)."""
     arrays = shard_arrays(samples)
     _atomic_write(path, lambda f: np.savez(f, **arrays))
@@ -148,23 +147,21 @@ def write_shard(path: Path, samples: Sequence[tuple[int, np.ndarray, np.ndarray]
 
 def read_shard(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The arrays of one shard (tokens, loss_mask, offsets, prompt_index), loaded in memory."""
-    with np.load(path) as shard:
+    with storage.as_path(path).open("rb") as f, np.load(f) as shard:
         return {name: shard[name] for name in shard.files}
 
 
 def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> None:
     """Atomically (re)writes ``out_dir/manifest.json``."""
-    text = json.dumps(manifest, indent=1).encode()
-    _atomic_write(Path(out_dir) / MANIFEST, lambda f: f.write(text))
+    storage.write_atomic(storage.as_path(out_dir) / MANIFEST, json.dumps(manifest, indent=1))
 
 
 def load_manifest(data_dir: str | os.PathLike) -> dict | None:
     """The manifest of a data folder, or None when there is none yet."""
-    path = Path(data_dir) / MANIFEST
+    path = storage.as_path(data_dir) / MANIFEST
     if not path.exists():
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(path.read_text())
 
 
 def _new_manifest(sources: list[dict], settings: dict) -> dict:
@@ -178,7 +175,7 @@ def _new_manifest(sources: list[dict], settings: dict) -> dict:
 GROUPING_SETTINGS = ("batch_size", "shard_size")
 
 
-def _resume_manifest(out_dir: Path, sources: list[dict], settings: dict) -> dict:
+def _resume_manifest(out_dir: storage.Path, sources: list[dict], settings: dict) -> dict:
     """The existing manifest when its sources and settings (but for GROUPING_SETTINGS) match,
     with the grouping updated to ``settings``; a fresh one when absent."""
     manifest = load_manifest(out_dir)
@@ -254,8 +251,8 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     Args:
       target: the target model, with a tokenizer (its chat template formats the prompts).
       prompt_files: JSONL prompt files (never evaluation sets), read in order.
-      out_dir: output folder (created; an existing run there with the same files and settings
-        is resumed after its last complete shard; ``batch_size`` and ``shard_size`` may differ).
+      out_dir: output folder, local or remote (created; an existing run there with the same
+        files and settings is resumed after its last complete shard; ``batch_size`` and ``shard_size`` may differ).
       max_samples: use only the first ``max_samples`` prompts (None: all); kept samples are
         fewer when some are dropped. A later run with a larger value extends the data set.
       first_prompt: skip the prompts before this index (a held-out split: e.g. train on the
@@ -277,7 +274,7 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     """
     if target.tokenizer is None:
         raise ValueError("prepare_data needs a target with a tokenizer (chat template)")
-    out = Path(out_dir)
+    out = storage.as_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [str(Path(f).resolve()) for f in prompt_files]
     per_file = [read_prompts([f]) for f in files]
@@ -331,7 +328,7 @@ def export_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> dict
         raise FileNotFoundError(f"no manifest.json in {data_dir}: not a prepare-data folder")
     answers, offsets, index, shard_of, checksums = [], [0], [], [], []
     for number, entry in enumerate(manifest["files"]):
-        shard = read_shard(Path(data_dir) / entry["file"])
+        shard = read_shard(storage.as_path(data_dir) / entry["file"])
         checksums.append(tokens_crc32(shard))
         o = shard["offsets"]
         for i, prompt_index in enumerate(shard["prompt_index"]):
@@ -345,7 +342,7 @@ def export_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> dict
                   answers=np.concatenate(answers or [np.zeros(0, np.int32)]).astype(np.int32),
                   offsets=np.asarray(offsets, np.int64), prompt_index=np.asarray(index, np.int64),
                   shard=np.asarray(shard_of, np.int64), tokens_crc32=np.asarray(checksums, np.int64))
-    _atomic_write(Path(path), lambda f: np.savez_compressed(f, **arrays))
+    _atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
     return manifest
 
 
@@ -376,7 +373,7 @@ def import_answers(target: Target, path: str | os.PathLike, prompt_files: Sequen
     settings = manifest["settings"]
     prompts = selected_prompts(read_prompts(files), settings.get("select"),
                                settings.get("first_prompt", 0), where=", ".join(files))
-    out = Path(out_dir)
+    out = storage.as_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     per_shard = [[] for _ in manifest["files"]]
     for i, (prompt_index, number) in enumerate(zip(index, shard_of)):

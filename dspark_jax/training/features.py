@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from dspark_jax import storage
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
 from dspark_jax.target import Target
 from dspark_jax.training.data import load_manifest, read_shard, tokens_crc32, write_manifest
@@ -119,7 +119,7 @@ class FeatureCache:
 
     def __init__(self, feature_dir: str | os.PathLike, data_dir: str | os.PathLike,
                  key: dict | None = None):
-        self.dir = Path(feature_dir)
+        self.dir = storage.as_path(feature_dir)
         manifest = load_manifest(self.dir)
         if manifest is None:
             raise FileNotFoundError(f"no manifest.json in {self.dir}: run `dspark-jax "
@@ -137,7 +137,7 @@ class FeatureCache:
         """Features [T, (m + 1) * d] (memory-mapped) of data shard ``index`` (its arrays)."""
         entry = self.manifest["files"][index]
         check_tokens(entry, data_shard, str(self.dir))
-        return np.load(self.dir / entry["file"], mmap_mode="r").view(self.dtype)
+        return np.load(storage.local_copy(self.dir / entry["file"]), mmap_mode="r").view(self.dtype)
 
 
 def _feature_fn(target: Target, tap_layer_ids: tuple[int, ...], dtype):
@@ -153,16 +153,17 @@ def _feature_fn(target: Target, tap_layer_ids: tuple[int, ...], dtype):
     return jax.jit(features)
 
 
-def _write_features(path: Path, shard: dict[str, np.ndarray], forward, state, *, width: int,
+def _write_features(path: storage.Path, shard: dict[str, np.ndarray], forward, state, *, width: int,
                     dtype, batch_size: int, length_multiple: int, bar) -> None:
-    """Features of every sample of a data shard -> ``path`` (temporary file, then renamed).
+    """Features of every sample of a data shard -> ``path`` (written whole: a staged local file,
+    then renamed or uploaded).
 
     Samples run longest first, ``batch_size`` per call, padded to a multiple of
     ``length_multiple`` tokens (few distinct shapes to compile).
     """
     offsets = shard["offsets"]
     lengths = np.diff(offsets)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = storage.staging_file(path)
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(offsets[-1]), width))
     order = np.argsort(-lengths, kind="stable")
     for start in range(0, len(order), batch_size):
@@ -179,15 +180,10 @@ def _write_features(path: Path, shard: dict[str, np.ndarray], forward, state, *,
         bar.update(len(rows))
     out.flush()
     del out
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    storage.publish(tmp, path)
 
 
-def _resume_manifest(out: Path, key: dict, dtype: str, data_dir: Path) -> dict:
+def _resume_manifest(out: storage.Path, key: dict, dtype: str, data_dir: storage.Path) -> dict:
     """The existing manifest when it has the same key and dtype; a fresh one when absent."""
     manifest = load_manifest(out)
     if manifest is None:
@@ -227,17 +223,17 @@ def extract_features(target: Target, data_dir: str | os.PathLike, output_dir: st
         raise ValueError(f"feature dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if min(batch_size, length_multiple) < 1:
         raise ValueError("batch_size and length_multiple must be >= 1")
-    data_dir = Path(data_dir).resolve()
+    data_dir = storage.as_path(data_dir)
     data_manifest = _data_manifest(data_dir)
-    out = Path(output_dir)
+    out = storage.as_path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tap_layer_ids = tuple(int(i) for i in tap_layer_ids)
     manifest = _resume_manifest(out, cache_key(target, tap_layer_ids), dtype, data_dir)
     check_files(manifest, data_manifest, str(out), data_dir, complete=False)
     for entry in manifest["files"]:
         check_tokens(entry, read_shard(data_dir / entry["data_file"]), str(out))
-    storage = jnp.dtype(dtype)
-    forward = _feature_fn(target, tap_layer_ids, storage)
+    stored = jnp.dtype(dtype)
+    forward = _feature_fn(target, tap_layer_ids, stored)
     width = (len(tap_layer_ids) + 1) * int(target.config.hidden_size)
     todo = data_manifest["files"][len(manifest["files"]):]
     bar = tqdm(total=sum(f["samples"] for f in data_manifest["files"]),
@@ -248,7 +244,7 @@ def extract_features(target: Target, data_dir: str | os.PathLike, output_dir: st
         shard = read_shard(data_dir / data_entry["file"])
         target.check_token_ids(shard["tokens"])
         name = f"features_{index:05d}.npy"
-        _write_features(out / name, shard, forward, target.state, width=width, dtype=storage,
+        _write_features(out / name, shard, forward, target.state, width=width, dtype=stored,
                         batch_size=batch_size, length_multiple=length_multiple, bar=bar)
         samples, shard_tokens = len(shard["offsets"]) - 1, int(shard["offsets"][-1])
         manifest["files"].append(dict(file=name, data_file=data_entry["file"], samples=samples,

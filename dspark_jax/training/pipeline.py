@@ -36,12 +36,12 @@ over the data by running the packing alone (the trainer's steps per epoch).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Sequence
 
 import grain
 import numpy as np
 
+from dspark_jax import storage
 from dspark_jax.training.data import load_manifest, read_shard
 from dspark_jax.training.features import FeatureCache
 
@@ -50,8 +50,8 @@ FEATURE_KEYS = ("taps", "hidden")
 TOKEN_KEYS = ("input_ids", "loss_mask") + FEATURE_KEYS  # per-token arrays of a sequence
 
 
-def _folders(dirs) -> list[Path]:
-    return [Path(d) for d in ([dirs] if isinstance(dirs, (str, os.PathLike)) else dirs)]
+def _folders(dirs) -> list[storage.Path]:
+    return [storage.as_path(d) for d in ([dirs] if isinstance(dirs, (str, os.PathLike)) else dirs)]
 
 
 class ShardSource:
@@ -71,7 +71,7 @@ class ShardSource:
         if feature_dirs is not None and len(feature_dirs) != len(self._dirs):
             raise ValueError(f"{len(feature_dirs)} feature cache(s) for {len(self._dirs)} data "
                              "folder(s): give one cache per data folder, in the same order")
-        self._files: list[Path] = []
+        self._files: list[storage.Path] = []
         self._caches: list[tuple[FeatureCache, int] | None] = []  # per shard: (cache, its shard)
         samples = []
         for d, folder in enumerate(self._dirs):

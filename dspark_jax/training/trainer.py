@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
-from dspark_jax import sharding
+from dspark_jax import sharding, storage
 from dspark_jax.drafter import Drafter, init_drafter, load_drafter
 from dspark_jax.target import load_target
 from dspark_jax.training import recipe, step as train_step
@@ -112,7 +111,7 @@ def _abstract(tree):
 class _Logger:
     """metrics.jsonl on the first host, plus TensorBoard when tensorboardX is installed."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: storage.Path):
         self.enabled = jax.process_index() == 0
         self.path = workdir / "metrics.jsonl"
         self.tb = None
@@ -126,8 +125,7 @@ class _Logger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        storage.append_text(self.path, json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -156,7 +154,7 @@ class _HeldOutCurve:
     """The learning curve: held-out metrics at steps, with the Markov head zeroed too, appended
     to ``workdir/heldout.jsonl`` (one record per evaluation; process 0 writes)."""
 
-    def __init__(self, drafter: Drafter, tcfg, workdir: Path):
+    def __init__(self, drafter: Drafter, tcfg, workdir: storage.Path):
         self.heldout = HeldOut(drafter, _folders(tcfg, "heldout_dir"), tcfg,
                                max_batches=int(tcfg.get("heldout_batches", 0)) or None,
                                feature_dir=_folders(tcfg, "heldout_feature_dir"))
@@ -170,20 +168,20 @@ class _HeldOutCurve:
             zeroed = recipe.replace_params(params, {recipe.W2_PATH: np.zeros(w2.shape, np.float32)})
             record["w2_zero"] = self.heldout.metrics(zeroed, progress=False)
         if jax.process_index() == 0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            storage.append_text(self.path, json.dumps(record) + "\n")
 
 
-def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
+def train(config, workdir: storage.PathLike, *, progress: bool = True) -> Drafter:
     """Trains (or resumes training) a drafter; returns it with the trained parameters.
 
     Args:
       config: an experiment config (``configs/*.py``): ``.target``, ``.drafter``, ``.train``.
-      workdir: checkpoints, metrics.jsonl and the exported drafter go here.
+      workdir: checkpoints, metrics.jsonl and the exported drafter go here: a local folder
+        or an object-store URI (gs://...), the same for every host.
     """
     import orbax.checkpoint as ocp
 
-    workdir = Path(workdir)
+    workdir = storage.as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tcfg = config.train
     dtype = compute_dtype()
@@ -203,7 +201,7 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
                          feature_dir=_feature_dirs(tcfg),
                          feature_key=cache_key(target, drafter.config.target_layer_ids))
     manager = ocp.CheckpointManager(
-        (workdir / "checkpoints").resolve(),
+        workdir / "checkpoints",
         options=ocp.CheckpointManagerOptions(max_to_keep=tcfg.keep_checkpoints,
                                              enable_async_checkpointing=True))
     start = manager.latest_step() or 0
@@ -228,7 +226,8 @@ def train(config, workdir: str | Path, *, progress: bool = True) -> Drafter:
             state=ocp.args.StandardRestore(_abstract(state)), data=ocp.args.JsonRestore()))
         state = restored.state
         data.set_state(restored.data)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    if jax.process_index() == 0:
+        storage.write_atomic(workdir / "config.json", config.to_json_best_effort(indent=2))
 
     logger = _Logger(workdir)
     curve = _HeldOutCurve(drafter, tcfg, workdir) if _folders(tcfg, "heldout_dir") else None

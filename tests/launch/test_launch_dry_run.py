@@ -114,3 +114,31 @@ def test_remote_paths_are_only_required(inputs):
                         "--train.data_dir=('/mnt/data/qwen3',)")
     assert "target /mnt/models/Qwen3-4B: not checked here (--remote-paths)" in out
     assert "--target=/mnt/models/Qwen3-4B" in cmds[-1]
+
+
+@pytest.mark.parametrize("script,extra", [
+    ("tpu_pod.py", ("--name", "d", "--zone", "z")),
+    ("gpu_multihost.py", ("--hosts", "gpu0,gpu1")),
+])
+def test_object_store_paths_pass_through_to_every_host(script, extra):
+    out, cmds = dry_run(script, *extra, "--config", "configs/dspark_qwen3_4b.py",
+                        "--workdir", "gs://bucket/runs/qwen3", "--",
+                        "--target=gs://bucket/models/Qwen3-4B",
+                        "--train.data_dir=('gs://bucket/data/math','gs://bucket/data/chat')",
+                        "--train.feature_dir=('gs://bucket/features/math','gs://bucket/features/chat')")
+    assert "target gs://bucket/models/Qwen3-4B: on the object store, read by the hosts" in out
+    assert "train.data_dir gs://bucket/data/chat: on the object store, read by the hosts" in out
+    assert "train.feature_dir gs://bucket/features/math: on the object store" in out
+    assert "workdir gs://bucket/runs/qwen3: on the object store, written by the hosts" in out
+    trains = [c for c in cmds if "dspark-jax train" in c]
+    assert trains and all("--workdir gs://bucket/runs/qwen3" in c for c in trains)
+    assert all("--target=gs://bucket/models/Qwen3-4B" in c and "gs://bucket/features/chat" in c
+               for c in trains)
+
+
+def test_several_hosts_without_a_shared_workdir_are_told(inputs):
+    out, _ = dry_run("gpu_multihost.py", "--hosts", "gpu0,gpu1", "--config",
+                     "configs/dflash_smollm2_135m.py", "--",
+                     f"--train.data_dir=('{inputs['data']}',)")
+    assert ("workdir runs/dflash_smollm2_135m on every host (each host its own: pass --workdir "
+            "gs://... for one set of checkpoints)") in out

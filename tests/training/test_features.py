@@ -204,7 +204,7 @@ def test_extraction_extends_and_resumes_after_a_kill(models, cache, tmp_path, mo
         run(tmp_path / "data")
     assert [f["file"] for f in data.load_manifest(tmp_path / "cache")["files"]] == \
         ["features_00000.npy", "features_00001.npy"]
-    assert (tmp_path / "cache" / "features_00002.npy.tmp").exists()
+    assert (tmp_path / "cache" / ".features_00002.npy.tmp").exists()
 
     monkeypatch.setattr(features, "_write_features", counted)
     run(tmp_path / "data")
