@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax import storage
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.hf import TensorSource
 
@@ -295,8 +296,9 @@ def _tokenizer_fields(tokenizer) -> dict:
     return dict(tokens=tokens, types=types, merges=merges, pre=_pre_tokenizer_name(backend))
 
 
-def write_gguf(target, path: str | os.PathLike) -> Path:
-    """Writes a loaded target as a float32 GGUF file (atomically: temp file, then rename)."""
+def write_gguf(target, path: str | os.PathLike) -> storage.Path:
+    """Writes a loaded target as a float32 GGUF file, whole (a staged local file, then renamed
+    or uploaded: ``storage.publish``)."""
     import gguf
 
     cfg = target.config
@@ -307,9 +309,9 @@ def write_gguf(target, path: str | os.PathLike) -> Path:
         raise CheckpointError("GGUF export supports only unscaled rope")
     if target.tokenizer is None:
         raise CheckpointError("GGUF export needs the target's tokenizer")
-    path = Path(path)
+    path = storage.as_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = storage.staging_file(path)
     arch = cfg.model_type
     writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(target.name or arch)
@@ -354,5 +356,5 @@ def write_gguf(target, path: str | os.PathLike) -> Path:
         writer.write_tensors_to_file()
     finally:
         writer.close()
-    os.replace(tmp, path)
+    storage.publish(tmp, path)
     return path
