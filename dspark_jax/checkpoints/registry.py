@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
+from dspark_jax import storage
 from dspark_jax.checkpoints.errors import CheckpointError
 
 
@@ -36,14 +36,6 @@ REGISTRY = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Root of dspark-jax's cache: $DSPARK_JAX_CACHE, else $XDG_CACHE_HOME/dspark_jax."""
-    root = os.environ.get("DSPARK_JAX_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark_jax"
 
 
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
@@ -75,4 +67,4 @@ def registered_file(name: str) -> Path:
 
 def converted_folder(name: str) -> Path:
     """Where the Hugging Face conversion of a registered model is cached."""
-    return cache_dir() / "models" / f"{name}-{REGISTRY[name].sha256[:12]}"
+    return storage.cache_dir() / "models" / f"{name}-{REGISTRY[name].sha256[:12]}"

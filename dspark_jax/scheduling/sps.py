@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dspark_jax.checkpoints.registry import cache_dir
+from dspark_jax.storage import cache_dir
 
 MODES = ("step", "linear")
 

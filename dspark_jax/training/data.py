@@ -358,7 +358,7 @@ def import_answers(target: Target, path: str | os.PathLike, prompt_files: Sequen
       ValueError: not an answers file, other prompt files (count or text), or a rebuilt sample
         that differs from the exported one (another tokenizer or chat template).
     """
-    with np.load(path) as f:
+    with storage.as_path(path).open("rb") as file, np.load(file) as f:
         if "format" not in f.files or str(f["format"]) != ANSWERS_FORMAT:
             raise ValueError(f"{path} is not a dspark-jax answers file")
         manifest = json.loads(str(f["manifest"]))

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dspark_jax import storage
 from dspark_jax.model_config import layer_groups
 from dspark_jax.training.data import load_manifest, read_shard
 
@@ -62,7 +63,7 @@ def bigram_counts(data_dirs: Sequence[str | os.PathLike], vocab: int) -> tuple[n
         if manifest is None:
             raise ValueError(f"{data_dir} has no manifest.json (not a prepare-data folder)")
         for entry in manifest["files"]:
-            shard = read_shard(os.path.join(data_dir, entry["file"]))
+            shard = read_shard(storage.as_path(data_dir) / entry["file"])
             tokens, mask, offsets = shard["tokens"].astype(np.int64), shard["loss_mask"], shard["offsets"]
             follows = np.ones(len(tokens), bool)
             follows[offsets[:-1]] = False           # a sample's first token has no predecessor

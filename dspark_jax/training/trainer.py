@@ -113,7 +113,7 @@ class _Logger:
 
     def __init__(self, workdir: storage.Path):
         self.enabled = jax.process_index() == 0
-        self.path = workdir / "metrics.jsonl"
+        self.file = storage.LineLog(workdir / "metrics.jsonl")
         self.tb = None
         if self.enabled:
             try:
@@ -125,7 +125,7 @@ class _Logger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        storage.append_text(self.path, json.dumps(record) + "\n")
+        self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -159,7 +159,7 @@ class _HeldOutCurve:
                                max_batches=int(tcfg.get("heldout_batches", 0)) or None,
                                feature_dir=_folders(tcfg, "heldout_feature_dir"))
         self.zero_w2 = drafter.config.head == "markov"
-        self.path = workdir / "heldout.jsonl"
+        self.file = storage.LineLog(workdir / "heldout.jsonl")
 
     def evaluate(self, step: int, params) -> None:
         record = dict(step=step, **self.heldout.metrics(params, progress=False))
@@ -168,7 +168,7 @@ class _HeldOutCurve:
             zeroed = recipe.replace_params(params, {recipe.W2_PATH: np.zeros(w2.shape, np.float32)})
             record["w2_zero"] = self.heldout.metrics(zeroed, progress=False)
         if jax.process_index() == 0:
-            storage.append_text(self.path, json.dumps(record) + "\n")
+            self.file.write(json.dumps(record) + "\n")
 
 
 def train(config, workdir: storage.PathLike, *, progress: bool = True) -> Drafter:
@@ -255,6 +255,9 @@ def train(config, workdir: storage.PathLike, *, progress: bool = True) -> Drafte
                                                          and done % tcfg.heldout_every == 0)):
                 curve.evaluate(done, state.params)
             if done % tcfg.checkpoint_every == 0 or done == steps:
+                for log in (logger, curve):
+                    if log is not None:
+                        log.file.flush()
                 manager.save(done, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data.get_state())))
     bar.close()

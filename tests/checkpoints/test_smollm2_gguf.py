@@ -194,11 +194,12 @@ def test_conversion_is_cached(target, cache_root, monkeypatch):
 
 
 @pytest.mark.slow  # writes and reads back 540 MB; CI runs -m slow
-def test_gguf_export_to_the_object_store_reloads(target, prompts, fake_gcs):
-    """`save_gguf` to gs:// (staged locally, uploaded whole) loads back, through a local copy,
-    as the same model: equal logits and tokenizer."""
+def test_gguf_export_to_the_object_store_reloads(target, prompts, fake_gcs, tmp_path, monkeypatch):
+    """`save_gguf` to gs:// (staged locally, uploaded whole) loads back, through a fresh local
+    copy of the object, as the same model: equal logits and tokenizer."""
     path = target.save_gguf("gs://bucket/models/smollm2.gguf")
     assert fake_gcs.writes == ["bucket/models/smollm2.gguf"]
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "fresh_cache"))
     back = dspark_jax.load_target(str(path))
     ids = np.asarray([prompts[0]])
     np.testing.assert_allclose(back.logits(ids), target.logits(ids), rtol=1e-5, atol=1e-5)

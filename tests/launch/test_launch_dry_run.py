@@ -132,13 +132,18 @@ def test_object_store_paths_pass_through_to_every_host(script, extra):
     assert "workdir gs://bucket/runs/qwen3: on the object store, written by the hosts" in out
     trains = [c for c in cmds if "dspark-jax train" in c]
     assert trains and all("--workdir gs://bucket/runs/qwen3" in c for c in trains)
+    assert any("pip install -q -e" in c and ".[gcs]" in c for c in cmds)  # gcsfs on every host
     assert all("--target=gs://bucket/models/Qwen3-4B" in c and "gs://bucket/features/chat" in c
                for c in trains)
 
 
-def test_several_hosts_without_a_shared_workdir_are_told(inputs):
-    out, _ = dry_run("gpu_multihost.py", "--hosts", "gpu0,gpu1", "--config",
-                     "configs/dflash_smollm2_135m.py", "--",
+@pytest.mark.parametrize("script,extra,told", [
+    ("gpu_multihost.py", ("--hosts", "gpu0,gpu1"), True),
+    ("tpu_pod.py", ("--name", "d", "--zone", "z"), True),  # a slice: its hosts are not known here
+    ("gpu_multihost.py", ("--hosts", "gpu0"), False),
+])
+def test_several_hosts_without_a_shared_workdir_are_told(inputs, script, extra, told):
+    out, _ = dry_run(script, *extra, "--config", "configs/dflash_smollm2_135m.py", "--",
                      f"--train.data_dir=('{inputs['data']}',)")
-    assert ("workdir runs/dflash_smollm2_135m on every host (each host its own: pass --workdir "
-            "gs://... for one set of checkpoints)") in out
+    assert "workdir runs/dflash_smollm2_135m on every host" in out
+    assert ("(each host its own: pass --workdir gs://... for one set of checkpoints)" in out) == told
