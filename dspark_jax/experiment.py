@@ -60,8 +60,9 @@ DSPARK_TRAIN = dict(
     anchors_per_row=512,    # anchor slots per packed row
     grad_accum_steps=1,
     anchor_chunk=32,        # anchors per chunk of full-vocabulary logits
-    attention="",           # the packed target forward's kernel (models/fused_attention.py):
-                            # "" the backend's (splash on TPU, cuDNN on GPU, einsum on CPU)
+    attention="",           # the attention kernels of the packed target forward and of the
+                            # drafter (models/fused_attention.py): "" the backend's (splash /
+                            # blockwise einsum on TPU, cuDNN on GPU, einsum on CPU)
     mesh_shape=(-1, 1, 1),  # (data, fsdp, tensor)
     seed=0,
     init_from="",           # a saved drafter to start from (a warm start: new optimizer and

@@ -33,6 +33,7 @@ from flax import nnx
 
 from dspark_jax.model_config import attention_dims
 from dspark_jax.models.decoder import Decoder, DecoderLayer, stacked
+from dspark_jax.models.fused_attention import attend_draft_blocks
 from dspark_jax.models.heads import ConfidenceHead, block_bias, make_head
 from dspark_jax.models.kv_cache import KVCache, write_layer
 from dspark_jax.models.layers import (Linear, RMSNorm, _param, attend_blockwise, rope_cos_sin,
@@ -202,7 +203,7 @@ class DSparkModel(nnx.Module):
         return KVCache.zeros(self.config.num_layers, batch, slots, *attention_dims(cfg)[:2], dtype)
 
     def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask, cache=None,
-                    ctx_slots=None):
+                    ctx_slots=None, attention: str | None = None):
         """The draft layers over blocks and their context.
 
         Args:
@@ -213,6 +214,8 @@ class DSparkModel(nnx.Module):
             with one) and keep [b, T]; each block also sees its own tokens.
           cache: optional draft cache; the context K/V are written at ``ctx_slots`` [b, C]
             and the block attends over all cache slots instead of the C new entries.
+          attention: without a cache, the implementation of the attention
+            (``fused_attention.attend_draft_blocks``; None: the backend's).
 
         Returns:
           (final-normed hidden [b, T, d], updated cache or None).
@@ -224,16 +227,20 @@ class DSparkModel(nnx.Module):
             layer = nnx.merge(graphdef, state)
             attn = layer.self_attn
             k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)  # [b, C, K, D]
-            if k_cache is not None:
-                k_ctx = k_cache = write_layer(k_cache, k_ctx, ctx_slots, keys=True)
-                v_ctx = v_cache = write_layer(v_cache, v_ctx, ctx_slots, keys=False)
-            else:  # the cache layout: keys [b, K, D, C], values [b, K, C, D]
-                k_ctx, v_ctx = k_ctx.transpose(0, 2, 3, 1), v_ctx.swapaxes(1, 2)
             x = layer.input_layernorm(h)
+            q = attn.queries(x, cos, sin)
             k_block, v_block = attn.keys_values(x, cos, sin)
-            out = attend_blockwise(attn.queries(x, cos, sin), k_ctx.astype(k_block.dtype),
-                                   v_ctx.astype(v_block.dtype), mask.context, k_block, v_block,
-                                   mask.keep, block_size=self.config.block_size, scale=attn.scale)
+            if k_cache is not None:
+                k_cache = write_layer(k_cache, k_ctx, ctx_slots, keys=True)
+                v_cache = write_layer(v_cache, v_ctx, ctx_slots, keys=False)
+                out = attend_blockwise(q, k_cache.astype(k_block.dtype), v_cache.astype(v_block.dtype),
+                                       mask.context, k_block, v_block, mask.keep,
+                                       block_size=self.config.block_size, scale=attn.scale)
+            else:
+                out = attend_draft_blocks(q, k_ctx.astype(k_block.dtype), v_ctx.astype(v_block.dtype),
+                                          mask.context, k_block, v_block, mask.keep,
+                                          block_size=self.config.block_size, scale=attn.scale,
+                                          implementation=attention)
             h = layer.finish(h, out)
             return h, (k_cache, v_cache)
 
@@ -299,7 +306,7 @@ class DSparkModel(nnx.Module):
     def forward_train(self, target: Decoder, *, input_ids: jax.Array, taps: jax.Array,
                       anchors: jax.Array, keep: jax.Array, loss_mask: jax.Array,
                       positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                      with_logits: bool = True) -> TrainOutput:
+                      with_logits: bool = True, attention: str | None = None) -> TrainOutput:
         """Teacher-forced forward over many anchors per sequence (spec 4.2-4.8).
 
         Args:
@@ -310,6 +317,8 @@ class DSparkModel(nnx.Module):
           segment_ids: int [b, S] for packed rows (None: one sequence per row).
           with_logits: also return the full [b, N, B, V] logits (else compute them in chunks
             with :meth:`logits` from ``hidden`` and ``prev``).
+          attention: the attention's implementation (``fused_attention.IMPLEMENTATIONS``; None:
+            the backend's): cuDNN's flash attention on a GPU, the blockwise einsum elsewhere.
 
         Returns:
           TrainOutput; slot k of block j predicts input_ids[anchor_j + k + 1] (DeepSpec), or
@@ -329,7 +338,7 @@ class DSparkModel(nnx.Module):
         mask = block_attention_mask(anchors=anchors, keep=keep, context_len=seq, block_size=block,
                                     segment_ids=segment_ids)
         hidden, _ = self._run_layers(h, cos=cos, sin=sin, ctx=self.context(taps), ctx_cos=ctx_cos,
-                                     ctx_sin=ctx_sin, mask=mask)
+                                     ctx_sin=ctx_sin, mask=mask, attention=attention)
         hidden = hidden.reshape(b, num_blocks, block, -1)
 
         first = self.first_proposal_slot

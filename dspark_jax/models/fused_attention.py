@@ -1,7 +1,9 @@
 """Causal attention within packed segments, through fused kernels on accelerators.
 
 The packed target forward of training and of the feature cache attends causally within
-segments (``segment_ids``; 0 is padding) and, on sliding layers, within a window. By backend:
+segments (``segment_ids``; 0 is padding) and, on sliding layers, within a window; the
+drafter's training forward attends over its context and its own block
+(:func:`attend_draft_blocks`). By backend:
 
 * TPU, ``"splash"``: splash attention (Pallas; block-sparse, so key blocks above the diagonal or
   outside the window are skipped) with segment ids, one multi-query kernel per kv head;
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.layers import attend
+from dspark_jax.models.layers import attend, attend_blockwise
 
 IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash")
 SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be a multiple of one
@@ -79,6 +81,47 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         return _splash(q, k, v, segment_ids, scale, window)
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
+
+
+def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
+                        k_block: jax.Array, v_block: jax.Array, keep: jax.Array, *,
+                        block_size: int, scale: float | None = None,
+                        implementation: str | None = None) -> jax.Array:
+    """The drafter's training attention (spec 4.4): each block token attends to the context
+    keys its mask allows (strictly before its anchor, in its segment) and to every token of
+    its own block.
+
+    Args:
+      q: [B, T, H, D] queries of T = n * block_size block tokens.
+      k_ctx, v_ctx: [B, S, K, D] the context's keys and values; ctx_mask: bool [B, T, S].
+      k_block, v_block: [B, T, K, D] the blocks' own keys and values.
+      keep: bool [B, T]; False: the token sees no key of its block (a dummy block).
+      block_size: tokens per block.
+      scale: the scores' scale (None: D ** -0.5).
+      implementation: ``"xla"`` / ``"cudnn"`` run ``jax.nn.dot_product_attention`` over the
+        keys [context; blocks] with the dense mask (cuDNN's flash attention where it applies:
+        the scores are never stored); ``"einsum"`` and ``"splash"`` run
+        ``layers.attend_blockwise`` (splash takes only masks fixed at trace time, and this one
+        depends on the batch's anchors). None: :func:`default_implementation`.
+
+    Returns:
+      [B, T, H, D]; a token that sees no key gets zeros.
+    """
+    impl = implementation or default_implementation()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl in ("einsum", "splash"):
+        return attend_blockwise(q, k_ctx.transpose(0, 2, 3, 1), v_ctx.swapaxes(1, 2), ctx_mask,
+                                k_block, v_block, keep, block_size=block_size, scale=scale)
+    if impl not in ("xla", "cudnn"):
+        raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+    block = jnp.arange(q.shape[1]) // block_size
+    own = (block[:, None] == block[None, :])[None] & keep[:, :, None]  # [B, T, T]
+    mask = jnp.concatenate([ctx_mask, own], axis=-1)  # [B, T, S + T]
+    out = jax.nn.dot_product_attention(
+        q, jnp.concatenate([k_ctx, k_block], axis=1), jnp.concatenate([v_ctx, v_block], axis=1),
+        mask=mask[:, None], scale=scale, implementation="xla" if impl == "xla" else None)
+    return jnp.where(mask.any(-1)[:, :, None, None], out, 0).astype(q.dtype)
 
 
 def _splash(q, k, v, segment_ids, scale: float, window: int | None) -> jax.Array:

@@ -90,12 +90,13 @@ def loss_sums_fn(drafter_params: nnx.State, drafter_graphdef, target_graphdef,
     batch = jax.tree.map(jnp.asarray, batch)
     drafter = nnx.merge(drafter_graphdef, cast_floats(drafter_params, compute_dtype))
     target = nnx.merge(target_graphdef, cast_floats(target_state, compute_dtype))
+    attention = train_cfg.get("attention") or None
     taps, hidden = batch_features(target, batch, drafter.config.target_layer_ids, compute_dtype,
-                                  train_cfg.get("attention") or None)
+                                  attention)
     out = drafter.forward_train(
         target, input_ids=batch["input_ids"], taps=taps, anchors=batch["anchors"],
         keep=batch["keep"], loss_mask=batch["loss_mask"], positions=batch["positions"],
-        segment_ids=batch["segment_ids"], with_logits=False)
+        segment_ids=batch["segment_ids"], with_logits=False, attention=attention)
     return losses.loss_sums(drafter, target, out, hidden, batch["anchors"],
                             loss_decay_gamma=train_cfg.loss_decay_gamma,
                             ce_alpha=float(train_cfg.ce_loss_alpha),

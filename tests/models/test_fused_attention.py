@@ -117,3 +117,59 @@ def test_the_engine_prefill_equals_the_einsum_one(implementation):
     np.testing.assert_allclose(np.asarray(out.taps)[real], np.asarray(ref.taps)[real], atol=1e-4)
     for got, want in zip(jax.tree.leaves(out.new_k), jax.tree.leaves(ref.new_k), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "splash"])
+def test_the_draft_block_attention_equals_the_blockwise_einsum(implementation):
+    """Packed rows, anchors in several segments, a dummy block (which sees nothing: zeros)."""
+    from dspark_jax.models.drafter import block_attention_mask
+
+    rng = np.random.default_rng(1)
+    b, s, n, block, h, kv, d = 2, 64, 5, 4, 6, 2, 16
+    t = n * block
+    segments = _segments(rng, b, s + 8)[:, :s]
+    anchors = jnp.asarray(np.sort(rng.choice(np.arange(2, s - 2), (b, n), replace=True), axis=1))
+    keep = jnp.asarray(np.arange(n)[None, :] < np.array([[n], [n - 1]]))  # row 1: one dummy
+    mask = block_attention_mask(anchors=anchors, keep=keep, context_len=s, block_size=block,
+                                segment_ids=segments)
+    keep_tokens = jnp.repeat(keep, block, axis=1)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k_ctx, v_ctx = (jnp.asarray(rng.normal(size=(b, s, kv, d)), jnp.float32) for _ in range(2))
+    k_blk, v_blk = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
+    args = (q, k_ctx, v_ctx, mask.context, k_blk, v_blk, mask.keep)
+    ref = fused_attention.attend_draft_blocks(*args, block_size=block, scale=0.3,
+                                              implementation="einsum")
+    out = jax.jit(lambda *a: fused_attention.attend_draft_blocks(
+        *a, block_size=block, scale=0.3, implementation=implementation))(*args)
+    assert np.abs(np.asarray(ref)).max() > 0.1
+    assert not np.asarray(keep_tokens).all() and np.all(np.asarray(out)[~np.asarray(keep_tokens)] == 0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+def test_a_drafter_trains_through_the_fused_attention():
+    """The train step's loss and gradients with `train.attention` "xla" equal the einsum's."""
+    import dspark_jax
+    from ml_collections import ConfigDict
+
+    from dspark_jax import experiment
+    from dspark_jax.training import step as train_step
+
+    target = init_target(QWEN3, seed=0)
+    drafter = dspark_jax.init_drafter(target, seed=1, num_layers=1, markov_rank=8, block_size=4,
+                                      target_layer_ids=(0, 2), mask_token_id=63)
+    rng = np.random.default_rng(2)
+    b, s, n = 2, 32, 4
+    batch = dict(input_ids=rng.integers(4, 60, (b, s)).astype(np.int32),
+                 positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)),
+                 segment_ids=np.ones((b, s), np.int32), loss_mask=np.ones((b, s), np.int32),
+                 anchors=np.sort(rng.choice(np.arange(1, s - 5), (b, n), replace=False), axis=1),
+                 keep=np.ones((b, n), bool))
+    results = {}
+    for attention in ("einsum", "xla"):
+        cfg = ConfigDict(dict(experiment.DSPARK_TRAIN, attention=attention))
+        results[attention] = jax.value_and_grad(
+            lambda p: train_step.loss_fn(p, drafter.graphdef, target.graphdef, target.state,
+                                         batch, cfg)[0])(drafter.state)
+    (ref_loss, ref_grads), (loss, grads) = results["einsum"], results["xla"]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(lambda a, r: np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6), grads, ref_grads)
