@@ -3,10 +3,14 @@
 # new one:
 #
 #   bash launch/smollm2_campaign/train.sh [STEPS] [WORKDIR]     # defaults: 500, runs/campaign
+#   FEATURES=online bash launch/smollm2_campaign/train.sh ...    # no training feature cache
 #
 # 1. Freezes data/campaign (from `answers.py import` and `launch/regenerate_smollm2.sh`) into
 #    WORKDIR/data once (hard links: the data job may keep writing to data/campaign).
-# 2. Caches the target's features of the snapshot (`prepare-features`, resumable).
+# 2. Caches the target's features of the snapshot (`prepare-features`, resumable). With
+#    FEATURES=online only the held-out folders are cached and each train step runs the target
+#    (about 1.9x the step time, BENCHMARKS.md): on a fresh machine that trains for less than
+#    the cache's own cost (about an hour for the whole set on a 2-core CPU) it gets further.
 # 3. Trains with the bigram-SVD Markov start (BENCHMARKS.md, recipe ablation), warm-starting from
 #    the committed drafter launch/smollm2_campaign/drafter when present; the held-out curve goes
 #    to WORKDIR/heldout.jsonl. A rerun with the same WORKDIR resumes from its Orbax checkpoints.
@@ -27,9 +31,15 @@ for d in "${DOMAINS[@]}"; do
     cp -l data/campaign/$d/shard_*.npz "$WORK/data/$d.tmp/"
     mv "$WORK/data/$d.tmp" "$WORK/data/$d"
   fi
-  dspark-jax prepare-features --config $CONFIG --data "$WORK/data/$d" --output "$WORK/features/$d"
+  if [ "${FEATURES:-cached}" = cached ] || [[ $d == heldout_* ]]; then
+    dspark-jax prepare-features --config $CONFIG --data "$WORK/data/$d" --output "$WORK/features/$d"
+  fi
 done
 tuple() { local out="("; for d in "$@"; do out+="'$WORK/$d',"; done; echo "$out)"; }
+TRAIN_FEATURES=()
+if [ "${FEATURES:-cached}" = cached ]; then
+  TRAIN_FEATURES=(--train.feature_dir="$(tuple features/math features/code features/chat)")
+fi
 INIT=()
 if [ -f launch/smollm2_campaign/drafter/config.json ]; then
   INIT=(--train.init_from=launch/smollm2_campaign/drafter)
@@ -38,7 +48,7 @@ else
 fi
 dspark-jax train --config $CONFIG --workdir "$WORK" "${INIT[@]}" --train.max_steps="$STEPS" \
   --train.data_dir="$(tuple data/math data/code data/chat)" \
-  --train.feature_dir="$(tuple features/math features/code features/chat)" \
+  "${TRAIN_FEATURES[@]}" \
   --train.heldout_dir="$(tuple data/heldout_math data/heldout_code data/heldout_chat)" \
   --train.heldout_feature_dir="$(tuple features/heldout_math features/heldout_code features/heldout_chat)" \
   --train.heldout_batches=8 --train.heldout_every=50 --train.checkpoint_every=25
