@@ -78,7 +78,7 @@ class Drafter:
         return nnx.to_flat_state(self.state)[0][1].get_value().dtype
 
     def save(self, path: str | os.PathLike, layout: str = "deepspec", *, dtype=None,
-             target_tensors: bool = True, num_anchors: int | None = None) -> storage.Path:
+             target_tensors: bool = True, num_anchors: int | None = None) -> storage.AnyPath:
         """Writes the drafter atomically; layout "deepspec", "dflash" (z-lab) or "orbax".
 
         Args:

@@ -32,6 +32,7 @@ from etils import epath
 
 Path = epath.Path
 PathLike = Union[str, os.PathLike]
+AnyPath = Union[LocalPath, epath.Path]  # what writers return: see returned()
 REMOTE_SCHEMES = ("gs", "s3", "az")
 
 
@@ -47,6 +48,12 @@ def as_path(path: PathLike) -> epath.Path:
     if is_remote(path):
         return epath.Path(os.fspath(path))
     return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def returned(path: epath.Path) -> AnyPath:
+    """What a writer returns for ``path``: a ``pathlib.Path`` when it is local (the path type
+    callers expect, with ``stat().st_size``), the ``epath.Path`` itself when it is remote."""
+    return path if is_remote(path) else LocalPath(os.fspath(path))
 
 
 def cache_dir() -> LocalPath:
@@ -220,7 +227,7 @@ def _upload(local: PathLike, path: epath.Path) -> None:
 
 
 def write_folder(destination: PathLike, write: Callable[[LocalPath], None], *,
-                 marker: str = "config.json") -> epath.Path:
+                 marker: str = "config.json") -> AnyPath:
     """Writes a folder through ``write(tmp)`` (a local temporary folder) and puts it in place
     of ``destination``, replacing what was there.
 
@@ -229,6 +236,7 @@ def write_folder(destination: PathLike, write: Callable[[LocalPath], None], *,
     Orbax folder's metadata) is removed first, the files are uploaded over the old ones, the
     old files the new folder lacks are removed, and the marker is uploaded last: an
     interrupted upload leaves a folder without its marker, never a mix that looks complete.
+    Returns the folder (:func:`returned`).
     """
     destination = as_path(destination)
     if not is_remote(destination):
@@ -248,7 +256,7 @@ def write_folder(destination: PathLike, write: Callable[[LocalPath], None], *,
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return destination
+        return returned(destination)
     with tempfile.TemporaryDirectory(prefix="dspark_jax_upload.") as tmp:
         write(LocalPath(tmp))
         files = sorted(str(p.relative_to(tmp)) for p in LocalPath(tmp).rglob("*") if p.is_file())

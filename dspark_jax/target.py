@@ -113,7 +113,7 @@ class Target:
         return hf.iter_torch_tensors(self.state, prefix=HF_PREFIX, overrides=HF_OVERRIDES,
                                      transposed=HF_TRANSPOSED, layer_ids=layer_ids(self.config))
 
-    def save_hf(self, folder: str | os.PathLike) -> storage.Path:
+    def save_hf(self, folder: str | os.PathLike) -> storage.AnyPath:
         """Writes a Hugging Face folder (config.json, safetensors, tokenizer) atomically."""
         def write(tmp: Path):
             hf_config = dict(self.hf_config)
@@ -128,11 +128,11 @@ class Target:
                 self.tokenizer.save_pretrained(tmp)
         return storage.write_folder(folder, write)
 
-    def save_gguf(self, path: str | os.PathLike) -> storage.Path:
+    def save_gguf(self, path: str | os.PathLike) -> storage.AnyPath:
         """Writes a float32 GGUF file (llama.cpp layout, q/k rows permuted for Llama)."""
         return write_gguf(self, path)
 
-    def save_orbax(self, folder: str | os.PathLike) -> storage.Path:
+    def save_orbax(self, folder: str | os.PathLike) -> storage.AnyPath:
         """Writes the parameters with Orbax plus config and tokenizer, atomically."""
         def write(tmp: Path):
             orbax_params.save_params(tmp, self.state)

@@ -154,7 +154,10 @@ def test_data_folders_and_feature_caches_on_the_object_store(tmp_path, fake_gcs,
 
 def test_target_and_drafter_folders_on_the_object_store(fake_gcs, tmp_path, monkeypatch):
     target = init_target(TINY, seed=1)
-    target.save_hf("gs://bucket/models/qwen3")
+    remote = target.save_hf("gs://bucket/models/qwen3")
+    assert isinstance(remote, storage.Path) and os.fspath(remote) == "gs://bucket/models/qwen3"
+    local = target.save_hf(tmp_path / "qwen3")  # what callers expect of a local path
+    assert type(local) is type(tmp_path) and local.stat().st_size > 0
     assert fake_gcs.writes[-1] == "bucket/models/qwen3/config.json"  # complete once it is there
     loaded = dspark_jax.load_target("gs://bucket/models/qwen3")
     assert loaded.config == target.config

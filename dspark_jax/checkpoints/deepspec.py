@@ -355,7 +355,7 @@ def _read_json(path: Path) -> dict:
 
 def save(folder: str | os.PathLike, *, layout: str, model_cfg, cfg, state: nnx.State,
          target_state: nnx.State | None, target_config,
-         extra_files: dict[str, str] | None = None, num_anchors: int | None = None) -> storage.Path:
+         extra_files: dict[str, str] | None = None, num_anchors: int | None = None) -> storage.AnyPath:
     """Writes a drafter folder atomically in one of ``LAYOUTS`` (``target_state=None``: the
     deepspec layout without the target's embedding and LM head); ``extra_files`` {name: text}
     are written into the folder too (e.g. the calibration); ``num_anchors`` as in

@@ -296,7 +296,7 @@ def _tokenizer_fields(tokenizer) -> dict:
     return dict(tokens=tokens, types=types, merges=merges, pre=_pre_tokenizer_name(backend))
 
 
-def write_gguf(target, path: str | os.PathLike) -> storage.Path:
+def write_gguf(target, path: str | os.PathLike) -> storage.AnyPath:
     """Writes a loaded target as a float32 GGUF file, whole (a staged local file, then renamed
     or uploaded: ``storage.publish``)."""
     import gguf
@@ -356,4 +356,4 @@ def write_gguf(target, path: str | os.PathLike) -> storage.Path:
     finally:
         writer.close()
     storage.publish(tmp, path)
-    return path
+    return storage.returned(path)
