@@ -318,7 +318,8 @@ class DSparkModel(nnx.Module):
           with_logits: also return the full [b, N, B, V] logits (else compute them in chunks
             with :meth:`logits` from ``hidden`` and ``prev``).
           attention: the attention's implementation (``fused_attention.IMPLEMENTATIONS``; None:
-            the backend's): cuDNN's flash attention on a GPU, the blockwise einsum elsewhere.
+            the backend's): cuDNN's flash attention on a GPU where it takes the inputs
+            (bfloat16), the blockwise einsum elsewhere.
 
         Returns:
           TrainOutput; slot k of block j predicts input_ids[anchor_j + k + 1] (DeepSpec), or

@@ -7,9 +7,11 @@ drafter's training forward attends over its context and its own block
 
 * TPU, ``"splash"``: splash attention (Pallas; block-sparse, so key blocks above the diagonal or
   outside the window are skipped) with segment ids, one multi-query kernel per kv head;
-* GPU, ``"cudnn"``: ``jax.nn.dot_product_attention``, causal with a left window and the
-  segments as a mask, left to pick cuDNN's flash attention where it applies (bfloat16 /
-  float16 on a supported GPU) and XLA's otherwise;
+* GPU, ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's flash
+  attention, causal with a left window and the segments as a mask (which cuDNN reads as a
+  bias), where cuDNN takes the inputs (:func:`cudnn_applies`: bfloat16 / float16, a head dim
+  that is a multiple of 8 up to 128, even lengths); other inputs take the einsum (JAX's own
+  ``implementation=None`` means XLA's, which stores the scores, so it is never passed);
 * CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
 
 ``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
@@ -35,6 +37,15 @@ SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be 
 def default_implementation() -> str:
     """"splash" on a TPU, "cudnn" on a GPU, "einsum" elsewhere."""
     return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "einsum")
+
+
+def cudnn_applies(q: jax.Array, *lengths: int) -> bool:
+    """Whether cuDNN's flash attention takes these inputs: q [B, T, H, D] in bfloat16 or
+    float16, D a multiple of 8 and at most 128 (256 on Hopper; 128 holds on every GPU), and
+    even query / key lengths (``lengths``), which cuDNN asks of a masked attention in training."""
+    d = q.shape[-1]
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
+            and all(n % 2 == 0 for n in lengths))
 
 
 def segment_mask(segment_ids: jax.Array, window: int | None = None) -> jax.Array:
@@ -70,13 +81,14 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     """
     impl = implementation or default_implementation()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl == "cudnn" and not cudnn_applies(q, q.shape[1]):
+        impl = "einsum"
     if impl == "einsum":
         return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
     if impl in ("xla", "cudnn"):
         return jax.nn.dot_product_attention(
             q, k, v, mask=_same_segment(segment_ids)[:, None], scale=scale, is_causal=True,
-            local_window_size=None if window is None else (window - 1, 0),
-            implementation="xla" if impl == "xla" else None)
+            local_window_size=None if window is None else (window - 1, 0), implementation=impl)
     if impl == "splash":
         return _splash(q, k, v, segment_ids, scale, window)
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
@@ -98,17 +110,22 @@ def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_ma
       keep: bool [B, T]; False: the token sees no key of its block (a dummy block).
       block_size: tokens per block.
       scale: the scores' scale (None: D ** -0.5).
-      implementation: ``"xla"`` / ``"cudnn"`` run ``jax.nn.dot_product_attention`` over the
-        keys [context; blocks] with the dense mask (cuDNN's flash attention where it applies:
-        the scores are never stored); ``"einsum"`` and ``"splash"`` run
-        ``layers.attend_blockwise`` (splash takes only masks fixed at trace time, and this one
-        depends on the batch's anchors). None: :func:`default_implementation`.
+      implementation: ``"cudnn"`` runs cuDNN's flash attention over the keys [context;
+        blocks] with the dense mask as a bias (the scores are never stored) where
+        :func:`cudnn_applies`, else the einsum; ``"xla"`` runs jax.nn.dot_product_attention's
+        XLA implementation over the same keys and mask (it stores the [B, H, T, S + T] scores:
+        the cuDNN route's arguments, checkable on a CPU); ``"einsum"`` and ``"splash"`` run
+        ``layers.attend_blockwise``, which stores scores only against the context and the own
+        block (splash takes only masks fixed at trace time, and this one depends on the
+        batch's anchors). None: :func:`default_implementation`.
 
     Returns:
       [B, T, H, D]; a token that sees no key gets zeros.
     """
     impl = implementation or default_implementation()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl == "cudnn" and not cudnn_applies(q, q.shape[1], k_ctx.shape[1] + q.shape[1]):
+        impl = "einsum"
     if impl in ("einsum", "splash"):
         return attend_blockwise(q, k_ctx.transpose(0, 2, 3, 1), v_ctx.swapaxes(1, 2), ctx_mask,
                                 k_block, v_block, keep, block_size=block_size, scale=scale)
@@ -120,7 +137,7 @@ def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_ma
     mask = jnp.concatenate([ctx_mask, own], axis=-1)  # [B, T, S + T]
     out = jax.nn.dot_product_attention(
         q, jnp.concatenate([k_ctx, k_block], axis=1), jnp.concatenate([v_ctx, v_block], axis=1),
-        mask=mask[:, None], scale=scale, implementation="xla" if impl == "xla" else None)
+        mask=mask[:, None], scale=scale, implementation=impl)
     return jnp.where(mask.any(-1)[:, :, None, None], out, 0).astype(q.dtype)
 
 

@@ -119,13 +119,12 @@ def test_the_engine_prefill_equals_the_einsum_one(implementation):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "splash"])
-def test_the_draft_block_attention_equals_the_blockwise_einsum(implementation):
-    """Packed rows, anchors in several segments, a dummy block (which sees nothing: zeros)."""
+def _draft_block_args(rng, dtype=jnp.float32, d=16):
+    """attend_draft_blocks' arguments for packed rows, anchors in several segments and a dummy
+    block; returns (args, block size, bool [B, T] tokens that see their block)."""
     from dspark_jax.models.drafter import block_attention_mask
 
-    rng = np.random.default_rng(1)
-    b, s, n, block, h, kv, d = 2, 64, 5, 4, 6, 2, 16
+    b, s, n, block, h, kv = 2, 64, 5, 4, 6, 2
     t = n * block
     segments = _segments(rng, b, s + 8)[:, :s]
     anchors = jnp.asarray(np.sort(rng.choice(np.arange(2, s - 2), (b, n), replace=True), axis=1))
@@ -133,17 +132,57 @@ def test_the_draft_block_attention_equals_the_blockwise_einsum(implementation):
     mask = block_attention_mask(anchors=anchors, keep=keep, context_len=s, block_size=block,
                                 segment_ids=segments)
     keep_tokens = jnp.repeat(keep, block, axis=1)
-    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
-    k_ctx, v_ctx = (jnp.asarray(rng.normal(size=(b, s, kv, d)), jnp.float32) for _ in range(2))
-    k_blk, v_blk = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
-    args = (q, k_ctx, v_ctx, mask.context, k_blk, v_blk, mask.keep)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+    k_ctx, v_ctx = (jnp.asarray(rng.normal(size=(b, s, kv, d)), dtype) for _ in range(2))
+    k_blk, v_blk = (jnp.asarray(rng.normal(size=(b, t, kv, d)), dtype) for _ in range(2))
+    return (q, k_ctx, v_ctx, mask.context, k_blk, v_blk, mask.keep), block, keep_tokens
+
+
+def test_the_draft_block_attention_equals_the_blockwise_einsum():
+    """XLA's dot_product_attention over [context; blocks] with the dense mask: packed rows,
+    anchors in several segments, a dummy block (which sees nothing: zeros)."""
+    args, block, keep_tokens = _draft_block_args(np.random.default_rng(1))
     ref = fused_attention.attend_draft_blocks(*args, block_size=block, scale=0.3,
                                               implementation="einsum")
     out = jax.jit(lambda *a: fused_attention.attend_draft_blocks(
-        *a, block_size=block, scale=0.3, implementation=implementation))(*args)
+        *a, block_size=block, scale=0.3, implementation="xla"))(*args)
     assert np.abs(np.asarray(ref)).max() > 0.1
     assert not np.asarray(keep_tokens).all() and np.all(np.asarray(out)[~np.asarray(keep_tokens)] == 0)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+def test_the_cudnn_route_asks_for_cudnn_and_falls_back_to_the_einsum(monkeypatch):
+    """"cudnn" passes implementation="cudnn" to jax.nn.dot_product_attention (None would mean
+    XLA's, which stores the scores) where cuDNN takes the inputs, and runs the einsum
+    otherwise. The call is recorded and run by XLA's implementation here, on a CPU."""
+    calls, real = [], jax.nn.dot_product_attention
+
+    def recording(*args, implementation=None, **kwargs):
+        calls.append(implementation)
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    rng = np.random.default_rng(3)
+    segments = _segments(rng, 2, 64)
+    for dtype, d, expected in [(jnp.bfloat16, 16, ["cudnn"]), (jnp.float32, 16, []),
+                               (jnp.bfloat16, 12, [])]:
+        q, k, v = (jnp.asarray(rng.normal(size=(2, 64, h, d)), dtype) for h in (4, 2, 2))
+        calls.clear()
+        out = fused_attention.attend_segments(q, k, v, segments, implementation="cudnn")
+        assert calls == expected, (dtype, d)
+        ref = fused_attention.attend_segments(q, k, v, segments, implementation="einsum")
+        real_rows = np.asarray(segments) != 0
+        np.testing.assert_allclose(np.asarray(out, np.float32)[real_rows],
+                                   np.asarray(ref, np.float32)[real_rows], atol=3e-2)
+    for dtype, expected in [(jnp.bfloat16, ["cudnn"]), (jnp.float32, [])]:
+        args, block, _ = _draft_block_args(np.random.default_rng(1), dtype)
+        calls.clear()
+        out = fused_attention.attend_draft_blocks(*args, block_size=block, implementation="cudnn")
+        assert calls == expected, dtype
+        wide = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
+        ref = fused_attention.attend_draft_blocks(*wide, block_size=block, implementation="einsum")
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                                   atol=3e-2)
 
 
 def test_a_drafter_trains_through_the_fused_attention():
