@@ -28,7 +28,8 @@ Sections, each timed after its own compilation, each written to the JSON as soon
 5. ``attention``: the packed target forward of training (``--train-rows`` rows of
    ``--train-length`` tokens, four segments and some padding per row) through the einsum over
    the dense mask and through the backend's fused kernel (``models/fused_attention.py``: cuDNN
-   via ``jax.nn.dot_product_attention`` on a GPU, splash on a TPU; XLA's ``jax.nn`` on a CPU):
+   via ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU, splash on a TPU;
+   XLA's ``jax.nn`` on a CPU):
    ms each, the speedup, and the largest difference of their hidden states at real tokens.
 
 ``--smoke`` shrinks every shape (a 6-layer target, few tokens) so that the whole script runs on a
@@ -258,6 +259,9 @@ def attention(args, target, cfg) -> dict:
     fused = fused_attention.default_implementation()
     fused = "xla" if fused == "einsum" else fused
     result, outputs = dict(rows=rows, length=length, fused=fused), {}
+    if fused == "cudnn":  # otherwise the "cudnn" route runs the einsum: the row says so
+        probe = jax.ShapeDtypeStruct((rows, length, 1, cfg["head_dim"]), target.dtype)
+        result["cudnn_applies"] = fused_attention.cudnn_applies(probe, length)
     for impl in ("einsum", fused):
         forward = jax.jit(lambda state, impl=impl: nnx.merge(target.graphdef, state)(
             tokens, positions, segment_ids=segments, attention=impl).hidden)
