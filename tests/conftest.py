@@ -24,6 +24,25 @@ MULTI_DEVICE_XLA_FLAGS = ("--xla_force_host_platform_device_count={count} "
                           "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 RENDEZVOUS_ATTEMPTS = 3
 
+# The tests build many engines over the same tiny models and shapes, and each engine jits its
+# own closures, so one run compiles identical programs again and again. JAX's persistent
+# compilation cache (keyed by the program's HLO, the compile options and the versions) returns
+# the executable of an identical program instead: about 20% of tests/serving alone within one
+# cold run, more across runs and for the slow run that follows the default one in CI. Set
+# JAX_COMPILATION_CACHE_DIR (empty: off) to choose. It reaches the subprocess tests through the
+# environment.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # least recently used go
+if "jax" in sys.modules:  # imported before this file (a plugin): the variables came too late
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
 
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():

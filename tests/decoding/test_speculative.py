@@ -54,8 +54,8 @@ def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_refere
     assert [r.token_ids for r in results] == ar_reference
 
 
-@pytest.mark.parametrize("config", [LLAMA, pytest.param(GEMMA3, marks=pytest.mark.slow),
-                                    pytest.param(GEMMA4, marks=pytest.mark.slow)],
+@pytest.mark.slow  # the default run's engine tests use a Qwen3 target
+@pytest.mark.parametrize("config", [LLAMA, GEMMA3, GEMMA4],
                          ids=["llama", "gemma3", "gemma4"])
 def test_greedy_other_target_families(config):
     """Llama, and Gemma3 / Gemma4 with 6-token windows (shorter than the prompts plus 16 new
@@ -77,6 +77,7 @@ def test_mixed_lengths_batch_equals_each_alone(qwen3):
         assert res.stats["counters"] == alone.stats["counters"]
 
 
+@pytest.mark.slow  # with the threshold policy's other checks
 def test_statistics_are_consistent(qwen3):
     drafter = dspark_jax.init_drafter(qwen3, seed=2)
     results = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=30, drafter=drafter,
@@ -178,6 +179,7 @@ def test_production_is_lossless_for_a_lone_request_with_token_dependent_confiden
     assert chi2 < bound, (chi2, dof)
 
 
+@pytest.mark.slow  # with the prefix policy's other checks
 def test_prefix_scores_the_flat_verify_it_runs():
     """Rows with even anchors and drafts are certain (c = 1), the others hopeless (c = 0), and a
     forward above 8 tokens runs at half speed: the 4 rows' flat verify of 4 anchors + k drafts

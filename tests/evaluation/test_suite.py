@@ -90,6 +90,7 @@ def test_report_equals_the_statistics_of_generate(pair, max_batch_tokens):
     assert int(trace.num_accepted.sum()) == stats["accepted"]
 
 
+@pytest.mark.slow  # with the eval loop end to end
 def test_evaluate_is_resumable_and_writes_the_table(pair, tmp_path, monkeypatch, capsys):
     target, drafter = pair
     data = tmp_path / "data"

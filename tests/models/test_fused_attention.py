@@ -185,6 +185,7 @@ def test_the_cudnn_route_asks_for_cudnn_and_falls_back_to_the_einsum(monkeypatch
                                    atol=3e-2)
 
 
+@pytest.mark.slow  # the attention equalities above run by default
 def test_a_drafter_trains_through_the_fused_attention():
     """The train step's loss and gradients with `train.attention` "xla" equal the einsum's."""
     import dspark_jax

@@ -202,7 +202,7 @@ def test_cache_views_are_powers_of_two_within_the_cache():
     assert engine_module.cache_view(5, 64) == 64
 
 
-@pytest.mark.parametrize("drafted", [False, True])
+@pytest.mark.parametrize("drafted", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_rows_that_outgrow_their_cache_view_continue_in_the_next(qwen3, ar_reference, monkeypatch,
                                                                  drafted):
     """With views from 8 slots up (prompt buckets: 16, 32 and 64 here), requests cross several views
@@ -219,6 +219,7 @@ def test_rows_that_outgrow_their_cache_view_continue_in_the_next(qwen3, ar_refer
     assert [r.tokens for r in requests] == ar_reference
 
 
+@pytest.mark.slow  # the default run checks the same lag in tests/decoding/test_speculative.py
 def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
     """A callable policy's ``lagged`` holds, per slot, the confidences of the block it verified
     two steps earlier, and zeros in a request's first two steps (here a request joins while
