@@ -128,6 +128,7 @@ def test_prompt_buckets_bound_compiles(target):
     assert res.stats["compile_s"] == 0.0  # same bucket (16), same program
 
 
+@pytest.mark.slow  # query-chunked attention: tests/models/test_attention.py
 def test_long_prompt_in_a_multiple_of_1024_matches_the_reference():
     """A 2,100-token prompt pads to 3,072 (not 4,096) and prefills in query chunks of 512."""
     long = init_target(dict(TINY, max_position_embeddings=4096), seed=1)

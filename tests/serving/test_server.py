@@ -311,6 +311,7 @@ def test_a_full_queue_answers_429(tiny):
         live.close()
 
 
+@pytest.mark.slow  # the server's answers are checked by default; this is the load client
 def test_serve_bench_drives_a_server_over_http(server, tmp_path):
     """``serve-bench --url``: closed-loop streaming users; every request accounted for."""
     from dspark_jax import cli
