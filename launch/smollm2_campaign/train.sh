@@ -4,6 +4,7 @@
 #
 #   bash launch/smollm2_campaign/train.sh [STEPS] [WORKDIR]     # defaults: 500, runs/campaign
 #   FEATURES=online bash launch/smollm2_campaign/train.sh ...    # no training feature cache
+#   START=bigram|reference CONFIG=configs/... bash ...              # a fresh drafter (compare.sh)
 #
 # 1. Freezes data/campaign (from `answers.py import` and `launch/regenerate_smollm2.sh`) into
 #    WORKDIR/data once (hard links: the data job may keep writing to data/campaign).
@@ -11,9 +12,12 @@
 #    FEATURES=online only the held-out folders are cached and each train step runs the target
 #    (about 1.9x the step time, BENCHMARKS.md): on a fresh machine that trains for less than
 #    the cache's own cost (about an hour for the whole set on a 2-core CPU) it gets further.
-# 3. Trains with the bigram-SVD Markov start (BENCHMARKS.md, recipe ablation), warm-starting from
-#    the committed drafter launch/smollm2_campaign/drafter when present; the held-out curve goes
-#    to WORKDIR/heldout.jsonl. A rerun with the same WORKDIR resumes from its Orbax checkpoints.
+# 3. Trains CONFIG (default configs/dspark_smollm2_135m.py). START=warm (default) warm-starts
+#    from the committed drafter launch/smollm2_campaign/drafter when present, else takes the
+#    bigram-SVD Markov start (BENCHMARKS.md, recipe ablation); START=bigram always starts fresh
+#    from it, START=reference from the reference initialisation (a drafter without a Markov
+#    head: DFlash). The held-out curve goes to WORKDIR/heldout.jsonl. A rerun with the same
+#    WORKDIR resumes from its Orbax checkpoints.
 # To stop early: kill it after a checkpoint (every 25 steps), then rerun with STEPS = that
 # checkpoint's step: it resumes, runs no step and exports WORKDIR/drafter.
 # Afterwards: `dspark-jax convert --drafter WORKDIR/drafter --to deepspec --dtype bfloat16
@@ -22,7 +26,18 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${1:-500}
 WORK=${2:-runs/campaign}
-CONFIG=configs/dspark_smollm2_135m.py
+CONFIG=${CONFIG:-configs/dspark_smollm2_135m.py}
+START=${START:-warm}
+case $START in
+  warm) if [ -f launch/smollm2_campaign/drafter/config.json ]; then
+          INIT=(--train.init_from=launch/smollm2_campaign/drafter)
+        else
+          INIT=(--train.markov_init=bigram)
+        fi ;;
+  bigram) INIT=(--train.markov_init=bigram) ;;
+  reference) INIT=(--train.markov_init=reference) ;;
+  *) echo "START=$START: choose warm, bigram or reference" >&2; exit 2 ;;
+esac
 DOMAINS=(math code chat heldout_math heldout_code heldout_chat)
 for d in "${DOMAINS[@]}"; do
   if [ ! -f "$WORK/data/$d/manifest.json" ]; then
@@ -39,12 +54,6 @@ tuple() { local out="("; for d in "$@"; do out+="'$WORK/$d',"; done; echo "$out)
 TRAIN_FEATURES=()
 if [ "${FEATURES:-cached}" = cached ]; then
   TRAIN_FEATURES=(--train.feature_dir="$(tuple features/math features/code features/chat)")
-fi
-INIT=()
-if [ -f launch/smollm2_campaign/drafter/config.json ]; then
-  INIT=(--train.init_from=launch/smollm2_campaign/drafter)
-else
-  INIT=(--train.markov_init=bigram)
 fi
 dspark-jax train --config $CONFIG --workdir "$WORK" "${INIT[@]}" --train.max_steps="$STEPS" \
   --train.data_dir="$(tuple data/math data/code data/chat)" \
