@@ -88,7 +88,7 @@ def cmd_demo(args) -> int:
     from dspark_jax.demo import DEFAULT_PROMPTS, format_report, mismatches, run_demo
 
     rows = run_demo(args.model, args.drafter, args.prompt or DEFAULT_PROMPTS,
-                    max_new_tokens=args.max_new_tokens)
+                    max_new_tokens=args.max_new_tokens, repeats=args.repeats)
     print(format_report(rows))
     failures = mismatches(rows)
     for line in failures:
@@ -404,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drafter folder or packaged drafter name")
     demo.add_argument("--prompt", action="append", help="a user message (repeat for several)")
     demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--repeats", type=int, default=2,
+                      help="decodes of each prompt per way; each way keeps its fastest time")
     demo.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="tau and acceptance of drafters on the benchmark prompts")

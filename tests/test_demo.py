@@ -8,9 +8,8 @@ import pytest
 
 from dspark_jax import cli, demo
 
-pytestmark = pytest.mark.slow  # the real SmolLM2 end to end, SPS profile included; CI runs -m slow
 
-
+@pytest.mark.slow  # the real SmolLM2 end to end, SPS profile included; CI runs -m slow
 def test_demo_runs_and_reports(smollm2, smollm2_cache, monkeypatch, capsys):
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(smollm2_cache))
     rows = demo.run_demo(prompts=["What is 3 + 4?"], max_new_tokens=16, progress=False)
@@ -32,3 +31,38 @@ def test_demo_runs_and_reports(smollm2, smollm2_cache, monkeypatch, capsys):
     assert cli.main(["demo"]) == 1
     err = capsys.readouterr().err
     assert "FAILED: prompt 1, production: speculative tokens differ" in err
+
+
+def test_each_way_keeps_its_fastest_repeat_and_reports_changed_tokens(monkeypatch):
+    """Repeats alternate the ways; a way's time is its fastest repeat, its tokens the first
+    repeat's, and tokens that change between repeats fail the demo."""
+    from types import SimpleNamespace
+
+    calls = []
+    walls = {"autoregressive": [3.0, 2.0], "full": [1.0, 4.0], "production": [5.0, 1.5]}
+    drift = {"production": True}  # its second repeat emits other tokens
+
+    def fake_generate(target, prompts, max_new_tokens, drafter=None, verify=None, verify_params=None):
+        way = verify or "autoregressive"
+        repeat = sum(c == way for c in calls)
+        calls.append(way)
+        tokens = [1, 2, 3] + ([9] if drift.get(way) and repeat else [])
+        stats = {"wall_s": walls[way][repeat]}
+        if verify:
+            stats.update(rounds=2, tau=1.5, proposal_len=7.0 if verify == "full" else 1.0)
+        return [SimpleNamespace(token_ids=tokens, text="one two three", stats=stats)]
+
+    monkeypatch.setattr(demo, "generate", fake_generate)
+    monkeypatch.setattr(demo, "load_target", lambda model: "target")
+    monkeypatch.setattr(demo, "load_drafter", lambda drafter, target: "drafter")
+    (row,) = demo.run_demo(prompts=["p"], repeats=2, sps=[1.0], progress=False)
+    assert calls == ["autoregressive", "full", "production"] * 2
+    assert (row.ar.wall_s, row.spec["full"].wall_s, row.spec["production"].wall_s) == (2.0, 1.0, 1.5)
+    assert row.answer == "one two three" and row.spec["production"].token_ids == [1, 2, 3]
+    assert demo.mismatches([row]) == ["prompt 1, production: the tokens changed between the demo's repeats"]
+    drift.clear()
+    calls.clear()
+    (row,) = demo.run_demo(prompts=["p"], repeats=2, sps=[1.0], progress=False)
+    assert not demo.mismatches([row])
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        demo.run_demo(prompts=["p"], repeats=0, sps=[1.0], progress=False)
