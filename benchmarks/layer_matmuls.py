@@ -13,9 +13,14 @@ of ``batch`` rows carried through them 16 times in one jitted loop. Variants:
 
 each with the layers as a ``lax.scan`` over stacked [30, ...] weights (the engine's loop, which
 copies each layer's slice before its matmul) and as an unrolled loop over per-layer arrays.
+``--forms`` writes the float32 matmul other ways (a verify of k tokens is a batch of k rows,
+and XLA:CPU's small-M matmuls set its cost): ``rows`` one matrix-vector product per row,
+``columns`` two matmuls over the halves of the output columns (independent, so XLA:CPU may run
+them on both cores), ``reduce`` a broadcast multiply and sum that XLA fuses into one loop.
 The machine's read bandwidth (a jitted sum over 1 GiB) is measured in the same run.
 
     python benchmarks/layer_matmuls.py --batches 1 8
+    python benchmarks/layer_matmuls.py --batches 8 --variants float32 --forms dot rows columns reduce
     XLA_FLAGS=--xla_cpu_use_onednn=true python benchmarks/layer_matmuls.py --batches 1 8
 """
 
@@ -31,6 +36,7 @@ from _common import ROOT, cpu_name
 
 LAYERS, HIDDEN, MLP = 30, 576, 1536
 VARIANTS = ("float32", "bfloat16-upcast", "bfloat16-dot")
+FORMS = ("dot", "rows", "columns", "reduce")
 STEPS = 16
 
 
@@ -62,7 +68,8 @@ def layer_weights(dtype, seed: int = 0) -> dict:
             for name, shape in shapes.items()}
 
 
-def step_seconds(variant: str, unrolled: bool, batch: int, repeats: int) -> tuple[float, int]:
+def step_seconds(variant: str, unrolled: bool, batch: int, repeats: int,
+                 form: str = "dot") -> tuple[float, int]:
     """Best seconds per pass through the 30 layers, and the weight bytes read per pass."""
     import jax
     import jax.numpy as jnp
@@ -76,6 +83,13 @@ def step_seconds(variant: str, unrolled: bool, batch: int, repeats: int) -> tupl
             return x @ w.astype(jnp.float32)
         if variant == "bfloat16-dot":
             return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+        if form == "rows":
+            return jnp.concatenate([x[i:i + 1] @ w for i in range(x.shape[0])])
+        if form == "columns":
+            half = w.shape[1] // 2
+            return jnp.concatenate([x @ w[:, :half], x @ w[:, half:]], axis=1)
+        if form == "reduce":
+            return jnp.sum(x[:, :, None] * w[None], axis=1)
         return x @ w
 
     def layer(h, w):
@@ -108,6 +122,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=["dot"],
+                        help="ways to write the float32 matmul (other variants: dot only)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "layer_matmuls.json")
     args = parser.parse_args()
@@ -117,14 +133,16 @@ def main():
     print(f"read bandwidth {report['read_bandwidth_gb_s']:.1f} GB/s")
     for batch in args.batches:
         for variant in args.variants:
-            for unrolled in (False, True):
-                seconds, nbytes = step_seconds(variant, unrolled, batch, args.repeats)
-                row = {"batch": batch, "variant": variant, "loop": "unrolled" if unrolled else "scan",
-                       "ms_per_pass": 1e3 * seconds, "weight_mb": nbytes / 1e6,
-                       "weight_gb_s": nbytes / seconds / 1e9}
-                report["rows"].append(row)
-                print(f"batch {batch:3d}  {variant:16s} {row['loop']:8s} {row['ms_per_pass']:7.2f} ms"
-                      f"  {row['weight_mb']:4.0f} MB  {row['weight_gb_s']:5.1f} GB/s", flush=True)
+            for form in args.forms if variant == "float32" else ["dot"]:
+                for unrolled in (False, True):
+                    seconds, nbytes = step_seconds(variant, unrolled, batch, args.repeats, form)
+                    row = {"batch": batch, "variant": variant, "form": form,
+                           "loop": "unrolled" if unrolled else "scan", "ms_per_pass": 1e3 * seconds,
+                           "weight_mb": nbytes / 1e6, "weight_gb_s": nbytes / seconds / 1e9}
+                    report["rows"].append(row)
+                    print(f"batch {batch:3d}  {variant:16s} {form:8s} {row['loop']:8s} "
+                          f"{row['ms_per_pass']:7.2f} ms  {row['weight_mb']:4.0f} MB  "
+                          f"{row['weight_gb_s']:5.1f} GB/s", flush=True)
     report["load_after"] = os.getloadavg()[0]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
