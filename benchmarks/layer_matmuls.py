@@ -1,7 +1,7 @@
 """The decode step's layer matmuls alone: weight dtype, layer loop and XLA:CPU's matmul library.
 
 Issue 19's levers for the weight-bound decode step, measured without the rest of the engine:
-SmolLM2-135M's 30 layers of weight matmuls (q, k, v, o as one [576, 1920] matrix, gate and up
+SmolLM2-135M's 30 layers of weight matmuls (q, k, v, o as one [576, 1536] matrix, gate and up
 as one [576, 3072], down [1536, 576]; 425 MB in float32, the LM head left out), a hidden state
 of ``batch`` rows carried through them 16 times in one jitted loop. Variants:
 
@@ -21,7 +21,8 @@ The machine's read bandwidth (a jitted sum over 1 GiB) is measured in the same r
 
     python benchmarks/layer_matmuls.py --batches 1 8
     python benchmarks/layer_matmuls.py --batches 8 --variants float32 --forms dot rows columns reduce
-    XLA_FLAGS=--xla_cpu_use_onednn=true python benchmarks/layer_matmuls.py --batches 1 8
+    XLA_FLAGS=--xla_cpu_use_onednn=true python benchmarks/layer_matmuls.py --batches 1 8 \
+        --variants float32 --output benchmarks/results/layer_matmuls_onednn.json
 """
 
 from __future__ import annotations

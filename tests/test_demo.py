@@ -60,6 +60,7 @@ def test_each_way_keeps_its_fastest_repeat_and_reports_changed_tokens(monkeypatc
     assert (row.ar.wall_s, row.spec["full"].wall_s, row.spec["production"].wall_s) == (2.0, 1.0, 1.5)
     assert row.answer == "one two three" and row.spec["production"].token_ids == [1, 2, 3]
     assert demo.mismatches([row]) == ["prompt 1, production: the tokens changed between the demo's repeats"]
+    assert row.identical("full") and not row.identical("production")  # the report's "same" column
     drift.clear()
     calls.clear()
     (row,) = demo.run_demo(prompts=["p"], repeats=2, sps=[1.0], progress=False)

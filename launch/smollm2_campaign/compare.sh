@@ -19,7 +19,12 @@ FEATURES=${FEATURES:-online} START=bigram CONFIG=configs/dspark_smollm2_135m.py 
 # DFlash reads DSpark's data snapshot and held-out features (the same taps).
 mkdir -p "$WORK/dflash"
 for shared in data features; do
-  [ -e "$WORK/dflash/$shared" ] || ln -s "../dspark/$shared" "$WORK/dflash/$shared"
+  link=$WORK/dflash/$shared
+  if [ -e "$link" ] && [ ! -L "$link" ]; then
+    echo "$link exists and is not a link to ../dspark/$shared: DFlash would not see DSpark's data" >&2
+    exit 2
+  fi
+  ln -sfn "../dspark/$shared" "$link"
 done
 FEATURES=${FEATURES:-online} START=reference CONFIG=configs/dflash_smollm2_135m.py \
   bash launch/smollm2_campaign/train.sh "$STEPS" "$WORK/dflash"
