@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     for i, (label, run) in enumerate(runs.items()):
         color = f"C{i}"
         steps = [r["step"] for r in run["heldout"]]
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ax.set_xlabel("step")
     ax.set_ylabel("tau_probabilistic (teacher-forced, block 7)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves
     fig.tight_layout()
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
