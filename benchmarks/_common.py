@@ -1,6 +1,6 @@
-"""Pieces the benchmark scripts share: the machine's name, a wall-clock timer, XLA:CPU's
-per-operation profile table, and the jitted prefill, target-verify and draft steps they time in
-isolation.
+"""Pieces the benchmark scripts share: the machine's name, a wall-clock timer, its memory
+read bandwidth, XLA:CPU's per-operation profile table, and the jitted prefill, target-verify and
+draft steps they time in isolation.
 
 The scripts run as ``python benchmarks/<name>.py``, so this folder is on ``sys.path``.
 """
@@ -37,6 +37,22 @@ def timed(fn) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a jitted sum over 1 GiB of float32 (best of 5)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
 
 
 def op_table(trace_dir: Path, hlo: str, per: int, *, group: bool, top: int) -> list[str]:

@@ -30,6 +30,8 @@ import statistics
 import time
 from pathlib import Path
 
+from _common import read_bandwidth
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,22 +50,6 @@ def load_prompts(data_dir: Path, prompt_set: str, count: int) -> list[str]:
     half = (count + 1) // 2
     return (first_turns(data_dir / "eval" / "gsm8k.jsonl", half)
             + first_turns(data_dir / "eval" / "mt-bench.jsonl", count - half))
-
-
-def read_bandwidth() -> float:
-    """Bytes per second of a jitted sum over 1 GiB of float32 (best of 5)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return x.nbytes / best
 
 
 def count_new_tokens(generated, eos: set[int]) -> int:

@@ -33,28 +33,12 @@ import os
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name
+from _common import ROOT, cpu_name, read_bandwidth
 
 LAYERS, HIDDEN, MLP = 30, 576, 1536
 VARIANTS = ("float32", "bfloat16-upcast", "bfloat16-dot")
 FORMS = ("dot", "rows", "columns", "reduce")
 STEPS = 16
-
-
-def read_bandwidth() -> float:
-    """Bytes per second of a jitted sum over 1 GiB of float32 (best of 5)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return x.nbytes / best
 
 
 def layer_weights(dtype, seed: int = 0) -> dict:

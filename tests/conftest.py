@@ -28,20 +28,13 @@ RENDEZVOUS_ATTEMPTS = 3
 # own closures, so one run compiles identical programs again and again. JAX's persistent
 # compilation cache (keyed by the program's HLO, the compile options and the versions) returns
 # the executable of an identical program instead: about 20% of tests/serving alone within one
-# cold run, more across runs and for the slow run that follows the default one in CI. Set
+# cold run; the slow run that follows the default one in CI reuses its entries too. Set
 # JAX_COMPILATION_CACHE_DIR (empty: off) to choose. It reaches the subprocess tests through the
-# environment.
+# environment. (Nothing imports jax before this file, so JAX reads them at its import.)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))  # least recently used go
-if "jax" in sys.modules:  # imported before this file (a plugin): the variables came too late
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 @pytest.fixture(autouse=True, scope="module")
