@@ -75,15 +75,17 @@ def op_table(trace_dir: Path, hlo: str, per: int, *, group: bool, top: int) -> l
             for name, micros in total.most_common(top)]
 
 
-def verify_step(target, tap_layer_ids: tuple[int, ...]):
+def verify_step(target, tap_layer_ids: tuple[int, ...], cache_attention: str | None = None):
     """Jitted ``(target_state, cache, tokens [b, T], positions [b, T]) -> (logits, taps,
-    cache)``: one target forward through its KV cache (donated)."""
+    cache)``: one target forward through its KV cache (donated), attended by
+    ``cache_attention`` (``fused_attention.attend_cache``; None: the backend's)."""
     import jax
     from flax import nnx
 
     def verify(state, cache, tokens, positions):
         model = nnx.merge(target.graphdef, state)
-        out = model(tokens, positions, cache=cache, tap_layer_ids=tap_layer_ids)
+        out = model(tokens, positions, cache=cache, tap_layer_ids=tap_layer_ids,
+                    cache_attention=cache_attention)
         return model.logits(out.hidden), out.taps, out.cache
 
     return jax.jit(verify, donate_argnums=(1,))

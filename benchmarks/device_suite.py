@@ -14,7 +14,9 @@ Sections, each timed after its own compilation, each written to the JSON as soon
    (4.3 TB/s: the H200's measured device copy).
 2. ``sps``: one target verify forward of T = 1, 2, 4, ..., 256 tokens at batch 1 over a
    512-token context (``_common.verify_step``): ms and cost in decode steps (T / T = 1), the
-   SPS curve of the scheduler.
+   SPS curve of the scheduler, through each ``--cache-attention`` kernel over the KV cache
+   (``fused_attention.attend_cache``; on a GPU the Pallas decode kernel, the default there, and
+   the einsum: ``curves``, and the kernel's speedup per T).
 3. ``speculative``: the draft step (a DSpark drafter of the reference's shape: 5 layers, block
    7, Markov rank 256, confidence head; random weights) and the verify of a block at batch 1
    and 64, and the speedup they allow, tau x t_decode / (t_draft + t_verify), for tau 2 to 5.
@@ -108,14 +110,16 @@ def decode(args, target, cfg) -> dict:
     return out
 
 
-def verify_costs(target, cfg, rows: int, sizes, context: int, repeats: int) -> dict:
-    """ms of one verify forward of T tokens per row, T in ``sizes``, over ``context`` slots."""
+def verify_costs(target, cfg, rows: int, sizes, context: int, repeats: int,
+                 cache_attention: str | None = None) -> dict:
+    """ms of one verify forward of T tokens per row, T in ``sizes``, over ``context`` slots,
+    the cache attended by ``cache_attention`` (None: the backend's)."""
     import jax.numpy as jnp
 
     from dspark_jax.models.kv_cache import KVCache
 
-    step = verify_step(target, ())
-    slots = context + max(sizes) + 1
+    step = verify_step(target, (), cache_attention)
+    slots = -(-(context + max(sizes) + 1) // 128) * 128  # a multiple the decode kernel tiles
     ms = {}
     for t in sizes:
         cache = KVCache.zeros(cfg["num_hidden_layers"], rows, slots, cfg["num_key_value_heads"],
@@ -134,10 +138,19 @@ def verify_costs(target, cfg, rows: int, sizes, context: int, repeats: int) -> d
 
 
 def sps(args, target, cfg) -> dict:
-    """Section 2: the verify cost curve at batch 1."""
-    ms = verify_costs(target, cfg, 1, args.sps_sizes, args.prompt_len, args.repeats)
-    return dict(context=args.prompt_len, ms=ms, decode_steps={t: v / ms[1] for t, v in ms.items()},
-                steps_per_s={t: 1e3 / v for t, v in ms.items()})
+    """Section 2: the verify cost curve at batch 1, per kernel over the cache; the top-level
+    numbers are the first kernel's (the backend's default)."""
+    curves = {}
+    for impl in args.cache_attention:
+        ms = verify_costs(target, cfg, 1, args.sps_sizes, args.prompt_len, args.repeats, impl)
+        curves[impl] = dict(ms=ms, decode_steps={t: v / ms[1] for t, v in ms.items()},
+                            steps_per_s={t: 1e3 / v for t, v in ms.items()})
+    out = dict(context=args.prompt_len, cache_attention=args.cache_attention[0],
+               **curves[args.cache_attention[0]], curves=curves)
+    if {"pallas", "einsum"} <= set(curves):
+        out["pallas_speedup"] = {t: curves["einsum"]["ms"][t] / curves["pallas"]["ms"][t]
+                                 for t in args.sps_sizes}
+    return out
 
 
 def speculative(args, target, cfg) -> dict:
@@ -293,6 +306,9 @@ def main():
     parser.add_argument("--hbm-bytes-per-s", type=float, default=4.3e12)
     parser.add_argument("--peak-flops", type=float, default=989e12)
     parser.add_argument("--smollm2", action="store_true", help="also the packaged SmolLM2 drafter")
+    parser.add_argument("--cache-attention", nargs="+", choices=("einsum", "pallas"),
+                        help="the sps section's kernels over the KV cache, the default first "
+                             "(default: pallas and einsum on a GPU, einsum elsewhere)")
     args = parser.parse_args()
     if args.smoke:
         args.batches, args.prompt_len, args.new_tokens = [1, 4], 32, 8
@@ -301,8 +317,13 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    from dspark_jax.models.fused_attention import CACHE_IMPLEMENTATIONS, default_cache_implementation
     from dspark_jax.target import init_target
 
+    if not args.cache_attention:
+        default = default_cache_implementation()
+        args.cache_attention = [default] + [i for i in CACHE_IMPLEMENTATIONS if i != default
+                                            and default == "pallas"]
     cfg = SMOKE if args.smoke else QWEN3_1_7B
     result = dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),

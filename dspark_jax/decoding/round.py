@@ -251,7 +251,8 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     num_admitted = a.slot.shape[0]
     cfg = target.config
     taps = () if drafter is None else tuple(drafter.config.target_layer_ids)
-    no_history = KVCache.for_model(cfg, num_admitted, 0, caches.target.dtype)
+    no_history = KVCache.for_model(cfg, num_admitted, 0, caches.target.dtype,
+                                   caches.target.transposed_keys)
     o = ragged_forward(target, a.tokens, a.cols, a.rows, a.cols, jnp.zeros_like(a.length),
                        no_history, width=width, tap_layer_ids=taps)
     grid_positions = jnp.broadcast_to(jnp.arange(width), (num_admitted, width))
@@ -266,7 +267,8 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     put = lambda full, rows: full.at[a.slot].set(rows, mode="drop")  # noqa: E731
     d_cache, block = caches.drafter, {}
     if drafter is not None:
-        fresh = drafter.init_cache(num_admitted, caches.drafter.num_slots, caches.drafter.dtype)
+        fresh = drafter.init_cache(num_admitted, caches.drafter.num_slots, caches.drafter.dtype,
+                                   caches.drafter.transposed_keys)
         new_cache, tokens, probs, conf, raw = _draft(
             target, drafter, taps=to_grid(o.taps, a.rows, a.cols, num_admitted, width),
             positions=grid_positions, cache=fresh, anchor=first, anchor_pos=a.length,

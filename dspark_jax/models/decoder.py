@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, SLIDING, attention_dims, layer_groups
-from dspark_jax.models.fused_attention import attend_segments
+from dspark_jax.models.fused_attention import attend_cache, attend_segments
 from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend, attend_cached,
+from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend,
                                       rope_cos_sin, rope_frequencies)
 
 
@@ -84,8 +84,10 @@ class DecoderLayer(nnx.Module):
 def pick(sliding: jax.Array, full, slid):
     """A layer's input in a scan over layers of both types: ``full`` for a full-attention
     layer, ``slid`` (a pytree of the same structure) for a sliding one; ``sliding`` is the
-    scanned bool []."""
-    return jax.tree.map(lambda a, b: jnp.where(sliding, b, a), full, slid)
+    scanned bool []. An input that one type leaves None (a full layer's cache lengths, which
+    a window does not bound) is None for both."""
+    return jax.tree.map(lambda a, b: None if a is None or b is None else jnp.where(sliding, b, a),
+                        full, slid, is_leaf=lambda x: x is None)
 
 
 def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int) -> jax.Array:
@@ -258,7 +260,8 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, cache: KVCache | None = None,
                  key_valid: jax.Array | None = None, mask: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, attention: str | None = None,
-                 tap_layer_ids: tuple[int, ...] = (), write_cache: bool = True) -> DecoderOutput:
+                 cache_attention: str | None = None, tap_layer_ids: tuple[int, ...] = (),
+                 write_cache: bool = True) -> DecoderOutput:
         """Runs the decoder on ``tokens`` at ``positions``.
 
         Args:
@@ -273,6 +276,8 @@ class Decoder(nnx.Module):
           segment_ids: int [B, T], instead of ``mask`` without a cache: packed rows, each token
             attending causally within its segment (0: padding), through the fused kernel
             ``attention`` (``fused_attention.IMPLEMENTATIONS``; None: the backend's).
+          cache_attention: with a cache, the kernel over it (``fused_attention.attend_cache``;
+            None: the backend's).
           tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
           write_cache: with a cache, False returns the new entries in ``new_kv`` instead of
             writing them (the caller writes them later, e.g. outside a ``lax.switch``).
@@ -289,21 +294,22 @@ class Decoder(nnx.Module):
             raise ValueError("segment_ids replace the mask of a forward without a cache")
         if mask is None and segment_ids is None:
             mask = causal_mask(positions, positions, key_valid)
-        committed = None
+        committed = lengths = None
         if cache is not None:
-            committed = jnp.arange(cache.num_slots)[None, None, :] < positions[:, :1, None]
+            lengths = positions[:, 0]  # a full layer's queries see exactly the slots < lengths
+            committed = jnp.arange(cache.num_slots)[None, None, :] < lengths[:, None, None]
             committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
 
-        def inputs_of(layer_type):  # (rope, mask over the new tokens, mask over the cache, window)
-            if layer_type == FULL:
-                return self.rope(positions), mask, committed, None
+        def inputs_of(layer_type):  # (rope, mask over the new tokens, over the cache, its
+            if layer_type == FULL:  # lengths, window)
+                return self.rope(positions), mask, committed, lengths, None
             window = self.config.sliding_window
             if segment_ids is not None:  # a static window for the fused kernel
-                return self.rope(positions, SLIDING), None, None, window
+                return self.rope(positions, SLIDING), None, None, None, window
             return (self.rope(positions, SLIDING), mask & window_mask(positions, positions, window),
                     None if cache is None else
                     committed & window_mask(positions, jnp.arange(cache.num_slots)[None], window),
-                    None)
+                    None, None)
 
         requested = tuple(tap_layer_ids)
         tap_layer_ids = tuple(dict.fromkeys(requested))  # a layer fills one slot: dedupe
@@ -320,7 +326,7 @@ class Decoder(nnx.Module):
         def step(layer, index, inputs, k_cache, v_cache, carry):
             h, taps = carry
             attn = layer.self_attn
-            (cos_l, sin_l), mask_l, committed_l, window_l = inputs
+            (cos_l, sin_l), mask_l, committed_l, lengths_l, window_l = inputs
             x = layer.input_layernorm(h)
             q = attn.queries(x, cos_l, sin_l)
             k_new, v_new = attn.keys_values(x, cos_l, sin_l)
@@ -330,8 +336,10 @@ class Decoder(nnx.Module):
             elif k_cache is None:
                 attended = attend(q, k_new, v_new, mask_l, scale=attn.scale)
             else:
-                attended = attend_cached(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
-                                         committed_l, k_new, v_new, mask_l, scale=attn.scale)
+                attended = attend_cache(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
+                                        committed_l, k_new, v_new, mask_l, lengths=lengths_l,
+                                        scale=attn.scale, transposed_keys=cache.transposed_keys,
+                                        implementation=cache_attention)
             h = layer.finish(h, attended)
             if taps is not None:
                 slot = tap_slot[index]

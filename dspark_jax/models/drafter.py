@@ -195,12 +195,14 @@ class DSparkModel(nnx.Module):
                                                                          anchor.shape[-1]))
         return jnp.concatenate([anchor[..., None, :], rest], axis=-2)
 
-    def init_cache(self, batch: int, slots: int, dtype=None) -> KVCache:
-        """An empty draft context cache (``KVCache.zeros``: keys [num_layers, batch, K, D, slots],
-        values [num_layers, batch, K, slots, D])."""
+    def init_cache(self, batch: int, slots: int, dtype=None,
+                   transposed_keys: bool | None = None) -> KVCache:
+        """An empty draft context cache (``KVCache.zeros``: keys [num_layers, batch, K, D, slots]
+        or, off a CPU, [num_layers, batch, K, slots, D]; values [num_layers, batch, K, slots, D])."""
         cfg = self.model_config
         dtype = dtype or self.fc.kernel[...].dtype
-        return KVCache.zeros(self.config.num_layers, batch, slots, *attention_dims(cfg)[:2], dtype)
+        return KVCache.zeros(self.config.num_layers, batch, slots, *attention_dims(cfg)[:2], dtype,
+                             transposed_keys)
 
     def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask, cache=None,
                     ctx_slots=None, attention: str | None = None):
@@ -221,6 +223,7 @@ class DSparkModel(nnx.Module):
           (final-normed hidden [b, T, d], updated cache or None).
         """
         graphdef, layer_state = nnx.split(self.layers)
+        transposed = cache is None or cache.transposed_keys
 
         def step(h, xs):
             state, k_cache, v_cache = xs
@@ -231,11 +234,12 @@ class DSparkModel(nnx.Module):
             q = attn.queries(x, cos, sin)
             k_block, v_block = attn.keys_values(x, cos, sin)
             if k_cache is not None:
-                k_cache = write_layer(k_cache, k_ctx, ctx_slots, keys=True)
-                v_cache = write_layer(v_cache, v_ctx, ctx_slots, keys=False)
+                k_cache = write_layer(k_cache, k_ctx, ctx_slots, transposed=transposed)
+                v_cache = write_layer(v_cache, v_ctx, ctx_slots, transposed=False)
                 out = attend_blockwise(q, k_cache.astype(k_block.dtype), v_cache.astype(v_block.dtype),
                                        mask.context, k_block, v_block, mask.keep,
-                                       block_size=self.config.block_size, scale=attn.scale)
+                                       block_size=self.config.block_size, scale=attn.scale,
+                                       transposed_keys=transposed)
             else:
                 out = attend_draft_blocks(q, k_ctx.astype(k_block.dtype), v_ctx.astype(v_block.dtype),
                                           mask.context, k_block, v_block, mask.keep,
@@ -246,7 +250,7 @@ class DSparkModel(nnx.Module):
 
         caches = (None, None) if cache is None else (cache.k, cache.v)
         h, (k_cache, v_cache) = jax.lax.scan(step, h, (layer_state,) + caches)
-        return self.norm(h), (None if cache is None else KVCache(k_cache, v_cache))
+        return self.norm(h), (None if cache is None else cache.replace(k=k_cache, v=v_cache))
 
     # -- heads ---------------------------------------------------------------------------------
 

@@ -14,6 +14,13 @@ drafter's training forward attends over its context and its own block
   ``implementation=None`` means XLA's, which stores the scores, so it is never passed);
 * CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
 
+Decode and verify steps attend over the KV cache (:func:`attend_cache`). On a GPU,
+``"pallas"`` runs the cache part through JAX's Pallas (Triton) decode kernel
+(``jax.experimental.pallas.ops.gpu.decode_attention``, flash decoding: each (row, kv head)
+streams only its committed slots, split over up to 16 programs), with the T new tokens of a
+verify folded into the query heads, and merges it with the T x T part by the softmax residuals;
+elsewhere, and for sliding-window layers, the einsum (:func:`layers.attend_cached`).
+
 ``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
 arguments, checkable on a CPU. Off a TPU, splash runs in Pallas' interpret mode (tests only).
 Outputs at padding positions differ between implementations (a padding query sees nothing,
@@ -28,15 +35,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.models.layers import attend, attend_blockwise
+from dspark_jax.models.kv_cache import slots_view
+from dspark_jax.models.layers import attend, attend_blockwise, attend_cached, scores_of
 
 IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash")
+CACHE_IMPLEMENTATIONS = ("einsum", "pallas")
 SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be a multiple of one
 
 
 def default_implementation() -> str:
     """"splash" on a TPU, "cudnn" on a GPU, "einsum" elsewhere."""
     return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "einsum")
+
+
+def default_cache_implementation() -> str:
+    """"pallas" on a GPU, "einsum" elsewhere (:func:`attend_cache`)."""
+    return "pallas" if jax.default_backend() == "gpu" else "einsum"
 
 
 def cudnn_applies(q: jax.Array, *lengths: int) -> bool:
@@ -170,3 +184,95 @@ def _splash(q, k, v, segment_ids, scale: float, window: int | None) -> jax.Array
     out = jax.vmap(per_head)(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                              segment_ids.astype(np.int32))  # [B, K, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_visible: jax.Array,
+                 k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array, *,
+                 lengths: jax.Array | None = None, view: int | None = None,
+                 scale: float | None = None, transposed_keys: bool = True,
+                 implementation: str | None = None) -> jax.Array:
+    """Attention of T new tokens per row over one layer of the KV cache and over each other.
+
+    Args:
+      q: [B, T, H, D] queries of the new tokens.
+      k_cache, v_cache: one layer of the cache (kv_cache.py layout): keys [B, K, D, N]
+        (``transposed_keys``) or [B, K, N, D], values [B, K, N, D].
+      cache_visible: bool [B, T, view], True where query t may see slot s (the einsum's mask).
+      k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
+      lengths: int [B] when every query of row b sees exactly the slots < lengths[b] (a
+        full-attention layer): the kernel then reads only those; None (a sliding window): the
+        einsum over ``cache_visible``.
+      view: the einsum reads only the first ``view`` slots (None: all N); every length is at
+        most ``view``.
+      scale: the scores' scale (None: D ** -0.5).
+      transposed_keys: the layout of ``k_cache``.
+      implementation: one of ``CACHE_IMPLEMENTATIONS`` (None: :func:`default_cache_implementation`);
+        "pallas" falls back to the einsum where the kernel does not apply
+        (:func:`pallas_cache_split`: keys [B, K, N, D], a power-of-two head dim, N a multiple
+        of 16). Off a GPU the kernel runs in Pallas' interpret mode (tests only).
+
+    Returns:
+      [B, T, H, D]; a query with no visible key gets zeros.
+    """
+    impl = implementation or default_cache_implementation()
+    if impl not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(f"unknown cache attention implementation {impl!r}; choose one of "
+                         f"{', '.join(CACHE_IMPLEMENTATIONS)}")
+    split = pallas_cache_split(v_cache.shape[2], q.shape[-1])
+    if impl == "pallas" and lengths is not None and not transposed_keys and split:
+        return _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible,
+                             q.shape[-1] ** -0.5 if scale is None else scale, split)
+    if view is not None:
+        k_cache = slots_view(k_cache, view, transposed=transposed_keys)
+        v_cache = slots_view(v_cache, view, transposed=False)
+    return attend_cached(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible,
+                         scale=scale, transposed_keys=transposed_keys)
+
+
+def pallas_cache_split(num_slots: int, head_dim: int) -> int | None:
+    """Slots per program of the Pallas decode kernel over ``num_slots`` cache slots: the
+    largest power of two (at least 16) dividing ``num_slots`` that still leaves 16 programs
+    (fewer when the cache is short); None where the kernel does not apply (``num_slots`` not
+    a multiple of 16, or a head dim that is not a power of two of at least 16: Triton's
+    blocks are powers of two)."""
+    if num_slots % 16 or head_dim < 16 or head_dim & (head_dim - 1):
+        return None
+    split = 16
+    while num_slots % (2 * split) == 0 and num_slots // (2 * split) >= 16:
+        split *= 2
+    return split
+
+
+def _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible, scale: float,
+                  split: int) -> jax.Array:
+    """:func:`attend_cache` by the Pallas decode kernel: per (row, kv head) one multi-query
+    attention of its T * G queries (the T new tokens folded into the G query heads) over the
+    row's committed slots, unnormalised with its softmax residuals (sum l, max m), merged with
+    the new tokens' T x T part as one softmax."""
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    b, t, h, d = q.shape
+    kv, n = v_cache.shape[1], v_cache.shape[2]
+    g = h // kv
+    rows = b * kv
+
+    def per_head(x):  # [B, T, K, D] -> [B * K, T, D]
+        return x.swapaxes(1, 2).reshape(rows, t, d)
+
+    qg = q.reshape(b, t, kv, g, d).swapaxes(1, 2).reshape(rows, t * g, d)  # index t * G + g
+    o, (l, m) = decode_attention.mqa(
+        qg, k_cache.reshape(rows, n, d), v_cache.reshape(rows, n, d),
+        kv_seq_len=jnp.repeat(lengths.astype(jnp.int32), kv), sm_scale=scale, k_splits=n // split,
+        block_k=min(128, split), interpret=jax.default_backend() != "gpu", return_residuals=True,
+        normalize_output=False)  # o [B*K, T*G, D] = sum exp(s - m) v, l = sum exp(s - m)
+    s_own = scores_of(qg, per_head(k_new), "nqd,nsd->nqs", scale)  # [B*K, T*G, T]
+    visible = jnp.broadcast_to(new_visible[:, None, :, None, :], (b, kv, t, g, t))
+    visible = visible.reshape(rows, t * g, t)
+    peak = jnp.maximum(m, jnp.max(jnp.where(visible, s_own, -jnp.inf), axis=-1))
+    w_own = jnp.where(visible, jnp.exp(s_own - peak[..., None]), 0.0)
+    carried = jnp.exp(m - peak)  # the cache part's weights, rescaled to the common peak
+    total = o.astype(jnp.float32) * carried[..., None] + jnp.einsum(
+        "nqs,nsd->nqd", w_own, per_head(v_new).astype(jnp.float32))
+    denom = l * carried + w_own.sum(-1)
+    out = total / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(b, kv, t, g, d).swapaxes(1, 2).reshape(b, t, h, d).astype(q.dtype)

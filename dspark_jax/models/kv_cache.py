@@ -8,11 +8,15 @@ at the committed length overwrites the stale slots (as in levanter's speculative
 The layout is that of the attention's two batched matmuls, so XLA reads the cache in place
 instead of first copying it into another layout (on CPU that copy took about a sixth of a decode
 step: benchmarks/profile_decode.py, BENCHMARKS.md): values are [layers, rows, kv heads, slots,
-head dim], each (row, head) an [S, D] matrix, the right operand of weights [Q, S] @ values;
-keys are [layers, rows, kv heads, head dim, slots], an [D, S] matrix, the right operand of
-queries [Q, D] @ keys. With keys stored [S, D] the score matmul contracts both operands on
-their minor dimension, which XLA:CPU ran 3-4x slower than [Q, D] @ [D, S] at batch 32
-(BENCHMARKS.md, issue 19).
+head dim], each (row, head) an [S, D] matrix, the right operand of weights [Q, S] @ values.
+Keys depend on the backend (``transposed_keys``):
+
+* on a CPU [layers, rows, kv heads, head dim, slots], an [D, S] matrix, the right operand of
+  queries [Q, D] @ keys. With keys stored [S, D] the score matmul contracts both operands on
+  their minor dimension, which XLA:CPU ran 3-4x slower than [Q, D] @ [D, S] at batch 32
+  (BENCHMARKS.md, issue 19);
+* on accelerators [layers, rows, kv heads, slots, head dim], the values' layout, which the
+  decode kernels read (``fused_attention.attend_cache``: a head's keys stream slot by slot).
 
 A model whose layers come in groups of different shapes (Gemma4: sliding layers with
 ``head_dim`` and full layers with ``global_head_dim``; ``model_config.layer_groups``) keeps one
@@ -30,33 +34,43 @@ from dspark_jax import sharding
 from dspark_jax.model_config import attention_dims, layer_groups
 
 
+def default_transposed_keys() -> bool:
+    """Keys [..., D, S] on a CPU, [..., S, D] (the values' layout) on accelerators."""
+    return jax.default_backend() == "cpu"
+
+
 @struct.dataclass
 class KVCache:
-    """k: [L, B, K, D, S] and v: [L, B, K, S, D] for L layers, B rows, K kv heads, D head dim,
-    S slots (or tuples of them, one per layer group)."""
+    """k: [L, B, K, D, S] (``transposed_keys``) or [L, B, K, S, D], and v: [L, B, K, S, D] for
+    L layers, B rows, K kv heads, D head dim, S slots (or tuples of them, one per layer group)."""
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
+    transposed_keys: bool = struct.field(pytree_node=False, default=True)
 
     @classmethod
-    def for_model(cls, cfg, batch: int, slots: int, dtype) -> "KVCache":
+    def for_model(cls, cfg, batch: int, slots: int, dtype,
+                  transposed_keys: bool | None = None) -> "KVCache":
         """An empty cache for a decoder config: one pair of arrays, or one per layer group."""
         groups = layer_groups(cfg)
         parts = [cls.zeros(len(ids), batch, slots, *attention_dims(cfg, cfg.layer_types[ids[0]])[:2],
-                           dtype) for ids in groups]
+                           dtype, transposed_keys) for ids in groups]
         if len(parts) == 1:
             return parts[0]
-        return cls(tuple(p.k for p in parts), tuple(p.v for p in parts))
+        return parts[0].replace(k=tuple(p.k for p in parts), v=tuple(p.v for p in parts))
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int,
-              dtype) -> "KVCache":
-        """An empty cache, laid out by :meth:`constrain`.
+              dtype, transposed_keys: bool | None = None) -> "KVCache":
+        """An empty cache, laid out by :meth:`constrain`; ``transposed_keys`` None: the
+        backend's layout (:func:`default_transposed_keys`).
 
         k and v are separate buffers, so the cache can be donated to a jitted function."""
+        if transposed_keys is None:
+            transposed_keys = default_transposed_keys()
         shape = (num_layers, batch, kv_heads, slots, head_dim)
-        keys = (num_layers, batch, kv_heads, head_dim, slots)
-        return cls(jnp.zeros(keys, dtype), jnp.zeros(shape, dtype)).constrain()
+        keys = (num_layers, batch, kv_heads, head_dim, slots) if transposed_keys else shape
+        return cls(jnp.zeros(keys, dtype), jnp.zeros(shape, dtype), transposed_keys).constrain()
 
     def constrain(self) -> "KVCache":
         """Inside jit under a mesh: rows sharded over the data axes, kv heads over the tensor
@@ -90,8 +104,10 @@ class KVCache:
             return cache.at[index].set(jnp.moveaxis(new, 0, 2).astype(cache.dtype), mode="drop")
 
         s = slice(None)
-        return KVCache(jax.tree.map(lambda c, n: put(c, n, (s, rows, s, s, positions)), self.k, k_new),
-                       jax.tree.map(lambda c, n: put(c, n, (s, rows, s, positions)), self.v, v_new))
+        by_slot = (s, rows, s, positions)
+        key_index = (s, rows, s, s, positions) if self.transposed_keys else by_slot
+        return self.replace(k=jax.tree.map(lambda c, n: put(c, n, key_index), self.k, k_new),
+                            v=jax.tree.map(lambda c, n: put(c, n, by_slot), self.v, v_new))
 
     def set_rows(self, new: "KVCache", rows: jax.Array) -> "KVCache":
         """Replaces whole rows: ``new`` (a cache of B rows) into cache rows ``rows`` int [B]
@@ -101,11 +117,11 @@ class KVCache:
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,
-                keys: bool) -> jax.Array:
+                transposed: bool) -> jax.Array:
     """Scatters new entries into one layer of the cache.
 
     Args:
-      cache_layer: keys [B, K, D, S] (``keys``) or values [B, K, S, D].
+      cache_layer: keys [B, K, D, S] (``transposed``) or values, or keys like them, [B, K, S, D].
       new: [B, T, K, D], the entries of the tokens at ``positions``.
       positions: int [B, T], slot of each new token (positions >= S are dropped).
 
@@ -113,5 +129,11 @@ def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,
       ``cache_layer`` updated.
     """
     rows = jnp.arange(new.shape[0])[:, None]
-    index = (rows, slice(None), slice(None), positions) if keys else (rows, slice(None), positions)
+    index = (rows, slice(None), slice(None), positions) if transposed else (rows, slice(None), positions)
     return cache_layer.at[index].set(new.astype(cache_layer.dtype), mode="drop")
+
+
+def slots_view(cache_layer: jax.Array, num_slots: int, *, transposed: bool) -> jax.Array:
+    """The first ``num_slots`` slots of one layer: keys [B, K, D, S] (``transposed``) or
+    [B, K, S, D] -> the same with S = num_slots."""
+    return cache_layer[..., :num_slots] if transposed else cache_layer[:, :, :num_slots]

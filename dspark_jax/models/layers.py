@@ -263,7 +263,7 @@ def softmax_parts(scores: Sequence[jax.Array]) -> list[jax.Array]:
 
 def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_visible: jax.Array,
                   k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array, *,
-                  scale: float | None = None) -> jax.Array:
+                  scale: float | None = None, transposed_keys: bool = True) -> jax.Array:
     """Attention of new tokens over a KV cache and over each other, without concatenating them.
 
     The same result as :func:`attend` over keys [cache slots; new tokens] with the mask
@@ -272,11 +272,12 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
 
     Args:
       q: [B, T, H, D] queries of the new tokens.
-      k_cache, v_cache: [B, K, D, S] keys and [B, K, S, D] values, one layer of the cache
-        (kv_cache.py layout).
+      k_cache, v_cache: [B, K, D, S] keys (``transposed_keys``; else [B, K, S, D]) and
+        [B, K, S, D] values, one layer of the cache (kv_cache.py layout).
       cache_visible: bool [B, T, S], True where query t may see slot s.
       k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
       scale: the scores' scale (None: D ** -0.5).
+      transposed_keys: the layout of ``k_cache``.
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -287,21 +288,22 @@ def attend_cached(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vi
     # Rows of one kv head: its G query heads for each new token, q index = t * G + g.
     qg = q.reshape(b, t, kv, g, d).swapaxes(1, 2).reshape(b, kv, t * g, d)
     k_own, v_own = k_new.transpose(0, 2, 3, 1), v_new.swapaxes(1, 2)  # [B, K, D, T], [B, K, T, D]
-    parts = [(k_cache, v_cache, cache_visible)] if k_cache.shape[3] else []
-    parts.append((k_own, v_own, new_visible))
+    parts = [(k_cache, v_cache, cache_visible, transposed_keys)] if v_cache.shape[2] else []
+    parts.append((k_own, v_own, new_visible, True))
     scores = []
-    for keys, _, visible in parts:
-        s = scores_of(qg, keys, "bkqd,bkds->bkqs", scale)
+    for keys, _, visible, transposed in parts:
+        s = scores_of(qg, keys, "bkqd,bkds->bkqs" if transposed else "bkqd,bksd->bkqs", scale)
         s = s.reshape(b, kv, t, g, -1)
         scores.append(jnp.where(visible[:, None, :, None, :], s, -jnp.inf))
     out = sum(jnp.einsum("bkqs,bksd->bkqd", w.reshape(b, kv, t * g, -1).astype(values.dtype), values)
-              for w, (_, values, _) in zip(softmax_parts(scores), parts))
+              for w, (_, values, _, _) in zip(softmax_parts(scores), parts))
     return out.reshape(b, kv, t, g, d).swapaxes(1, 2).reshape(b, t, h, d)
 
 
 def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,
                      k_block: jax.Array, v_block: jax.Array, block_keep: jax.Array, *,
-                     block_size: int, scale: float | None = None) -> jax.Array:
+                     block_size: int, scale: float | None = None,
+                     transposed_keys: bool = True) -> jax.Array:
     """Attention of draft blocks over a shared context and, bidirectionally, their own block.
 
     The same result as :func:`attend` over keys [context; blocks] with the dense mask
@@ -310,12 +312,13 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
 
     Args:
       q: [B, T, H, D] queries of T = n * block_size block tokens (block j = rows j*bs..).
-      k_ctx, v_ctx: [B, K, D, S] context keys and [B, K, S, D] values (the cache layout);
-        ctx_mask: bool [B, T, S].
+      k_ctx, v_ctx: [B, K, D, S] context keys (``transposed_keys``; else [B, K, S, D]) and
+        [B, K, S, D] values (the cache layout); ctx_mask: bool [B, T, S].
       k_block, v_block: [B, T, K, D] the blocks' own keys / values.
       block_keep: bool [B, T]; False: the query sees no key of its block (a dummy block).
       block_size: tokens per block.
       scale: the scores' scale (None: D ** -0.5).
+      transposed_keys: the layout of ``k_ctx``.
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -324,7 +327,8 @@ def attend_blockwise(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask:
     kv = k_ctx.shape[1]
     g, n = h // kv, t // block_size
     qg = q.reshape(b, t, kv, g, d)
-    s_ctx = scores_of(qg, k_ctx, "btkgd,bkds->bkgts", scale)  # [B, K, G, T, S]
+    s_ctx = scores_of(qg, k_ctx, "btkgd,bkds->bkgts" if transposed_keys else "btkgd,bksd->bkgts",
+                      scale)  # [B, K, G, T, S]
     s_blk = scores_of(qg.reshape(b, n, block_size, kv, g, d), k_block.reshape(b, n, block_size, kv, d),
                       "bnikgd,bnjkd->bkgnij", scale)
     s_blk = s_blk.reshape(b, kv, g, t, block_size)

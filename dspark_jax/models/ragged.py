@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from dspark_jax.model_config import FULL, SLIDING
 from dspark_jax.models.decoder import Decoder, cache_fields, run_layers, window_mask
 from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.fused_attention import attend_segments, default_implementation
-from dspark_jax.models.layers import attend, attend_cached
+from dspark_jax.models.fused_attention import attend_cache, attend_segments, default_implementation
+from dspark_jax.models.layers import attend
 
 
 class RaggedOutput(NamedTuple):
@@ -47,7 +47,8 @@ def to_grid(x: jax.Array, rows: jax.Array, cols: jax.Array, num_rows: int, width
 def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows: jax.Array,
                    cols: jax.Array, starts: jax.Array, cache: KVCache, *, width: int,
                    tap_layer_ids: tuple[int, ...] = (), dense: bool = False,
-                   view: int | None = None, attention: str | None = None) -> RaggedOutput:
+                   view: int | None = None, attention: str | None = None,
+                   cache_attention: str | None = None) -> RaggedOutput:
     """Runs the decoder on flat tokens that extend the rows of ``cache``.
 
     Args:
@@ -57,8 +58,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       rows: int [T] cache row of each token (>= S marks padding: it sees and writes nothing).
       cols: int [T] column of each token within its row, in 0..width-1.
       starts: int [S] committed length of each row: a new token sees cache slots < starts[row].
-      cache: keys [L, S, K, D, N], values [L, S, K, N, D], only read (the new entries come
-        back in the grid layout).
+      cache: keys [L, S, K, D, N] (``transposed_keys``; else [L, S, K, N, D]), values
+        [L, S, K, N, D], only read (the new entries come back in the grid layout).
       width: Q, the static number of columns of the grid.
       tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
       dense: the tokens are the whole [S, Q] grid, row-major (T = S * width; ``rows`` and
@@ -68,6 +69,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         so the slots past the view are never read, and the attention costs O(view), not O(N).
       attention: a prefill's kernel (``fused_attention.IMPLEMENTATIONS``; None: the
         backend's); splash needs a width that is a multiple of 128, others use the einsum.
+      cache_attention: the kernel over the cache (``fused_attention.attend_cache``; None: the
+        backend's).
 
     Returns:
       RaggedOutput(hidden [T, d], taps [T, m*d] or None, new_k / new_v [L, S, Q, K, D]).
@@ -86,16 +89,16 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     causal = jnp.broadcast_to(jnp.arange(width)[None, :] <= jnp.arange(width)[:, None],
                               (num_rows, width, width))
 
-    def inputs_of(layer_type):  # (rope, mask over the cache, over the row's new tokens, window)
-        if layer_type == FULL:
-            return model.rope(positions[None]), cached, causal, None
+    def inputs_of(layer_type):  # (rope, mask over the cache, its lengths, over the row's new
+        if layer_type == FULL:  # tokens, window)
+            return model.rope(positions[None]), cached, starts, causal, None
         window = model.config.sliding_window  # a grid token (row, col) is at starts[row] + col
         if fused:  # the kernel takes the window itself (static)
-            return model.rope(positions[None], SLIDING), None, None, window
+            return model.rope(positions[None], SLIDING), None, None, None, window
         columns = jnp.arange(width)
         return (model.rope(positions[None], SLIDING),
                 cached & window_mask(starts[:, None] + columns, jnp.arange(num_slots)[None], window),
-                causal & window_mask(columns, columns, window), None)
+                None, causal & window_mask(columns, columns, window), None)
     tap_ids = jnp.asarray(tap_layer_ids, jnp.int32)
     taps = None
     if tap_layer_ids:
@@ -111,15 +114,16 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     def step(layer, index, inputs, k_cache, v_cache, carry):
         h, taps = carry
         attn = layer.self_attn
-        (cos_l, sin_l), cached_l, causal_l, window_l = inputs
+        (cos_l, sin_l), cached_l, lengths_l, causal_l, window_l = inputs
         x = layer.input_layernorm(h)
         q = attn.queries(x, cos_l, sin_l)[0]
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos_l, sin_l))
         k_grid, v_grid, q_grid = (grid(x) for x in (k_new, v_new, q))
         if num_slots:
-            keys, values = k_cache[..., :num_slots], v_cache[:, :, :num_slots]
-            out = attend_cached(q_grid, keys.astype(k_new.dtype), values.astype(v_new.dtype),
-                                cached_l, k_grid, v_grid, causal_l, scale=attn.scale)
+            out = attend_cache(q_grid, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
+                               cached_l, k_grid, v_grid, causal_l, lengths=lengths_l, view=num_slots,
+                               scale=attn.scale, transposed_keys=cache.transposed_keys,
+                               implementation=cache_attention)
         elif fused:  # a prefill: each row one segment of its tokens
             out = attend_segments(q_grid, k_grid, v_grid, row_tokens, scale=attn.scale,
                                   window=window_l, implementation=impl)

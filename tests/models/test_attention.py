@@ -31,21 +31,24 @@ def test_query_chunks_equal_one_pass():
     assert "2x2x3x8x40xf32" in hlo and "2x2x3x32x40xf32" not in hlo
 
 
+@pytest.mark.parametrize("transposed_keys", [True, False])
 @pytest.mark.parametrize("slots", [0, 11])
-def test_cached_attention_equals_attention_over_the_concatenation(slots):
-    """New tokens over [cache; themselves] in the cache layout (keys [B, K, D, S]), no concat."""
+def test_cached_attention_equals_attention_over_the_concatenation(slots, transposed_keys):
+    """New tokens over [cache; themselves] in the cache layout (keys [B, K, D, S], or
+    [B, K, S, D] as on accelerators), no concat."""
     rng = np.random.default_rng(1)
     b, t, h, kv, d = 3, 4, 6, 2, 8
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
     k_cache = jnp.asarray(rng.normal(size=(b, kv, d, slots)), jnp.float32)  # kv_cache.py layout
+    layout_keys = k_cache if transposed_keys else k_cache.swapaxes(2, 3)
     v_cache = jnp.asarray(rng.normal(size=(b, kv, slots, d)), jnp.float32)
     k_new, v_new = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
     cache_visible = rng.random((b, t, slots)) < 0.5
     new_visible = np.tril(np.ones((t, t), bool)) & (rng.random((b, t, t)) < 0.8)
     new_visible[1, 2] = False
     cache_visible[1, 2] = False  # a query that sees nothing gets zeros
-    got = jax.jit(attend_cached)(q, k_cache, v_cache, jnp.asarray(cache_visible), k_new, v_new,
-                                 jnp.asarray(new_visible))
+    got = jax.jit(lambda *a: attend_cached(*a, transposed_keys=transposed_keys))(
+        q, layout_keys, v_cache, jnp.asarray(cache_visible), k_new, v_new, jnp.asarray(new_visible))
     keys = jnp.concatenate([k_cache.transpose(0, 3, 1, 2), k_new], axis=1)
     values = jnp.concatenate([v_cache.swapaxes(1, 2), v_new], axis=1)
     want = attend(q, keys, values, jnp.asarray(np.concatenate([cache_visible, new_visible], -1)))
@@ -53,12 +56,14 @@ def test_cached_attention_equals_attention_over_the_concatenation(slots):
     assert np.all(np.asarray(got)[1, 2] == 0)
 
 
-def test_cache_writes_land_in_the_head_major_layout():
-    """KVCache.write and write_layer put token t of row b at keys [.., b, :, :, position] and
-    values [.., b, :, position, :]."""
+@pytest.mark.parametrize("transposed_keys", [True, False])
+def test_cache_writes_land_in_the_head_major_layout(transposed_keys):
+    """KVCache.write and write_layer put token t of row b at keys [.., b, :, :, position] (or,
+    untransposed, [.., b, :, position, :]) and values [.., b, :, position, :]."""
     layers, b, slots, kv, d, t = 2, 3, 9, 2, 4, 2
-    cache = KVCache.zeros(layers, b, slots, kv, d, jnp.float32)
-    assert cache.k.shape == (layers, b, kv, d, slots) and cache.v.shape == (layers, b, kv, slots, d)
+    cache = KVCache.zeros(layers, b, slots, kv, d, jnp.float32, transposed_keys)
+    key_shape = (layers, b, kv, d, slots) if transposed_keys else (layers, b, kv, slots, d)
+    assert cache.k.shape == key_shape and cache.v.shape == (layers, b, kv, slots, d)
     assert cache.num_slots == slots
     new = jnp.arange(layers * b * t * kv * d, dtype=jnp.float32).reshape(layers, b, t, kv, d) + 1
     positions = jnp.asarray([[0, 1], [4, 5], [8, 9]])  # slot 9 is past the end: dropped
@@ -66,8 +71,11 @@ def test_cache_writes_land_in_the_head_major_layout():
     for row, slots_of_row in enumerate(np.asarray(positions)):
         for col, slot in enumerate(slots_of_row):
             if slot < slots:
-                np.testing.assert_array_equal(written.k[:, row, :, :, slot], new[:, row, col])
+                key = written.k[..., slot] if transposed_keys else written.k[:, :, :, slot]
+                np.testing.assert_array_equal(key[:, row], new[:, row, col])
                 np.testing.assert_array_equal(written.v[:, row, :, slot], -new[:, row, col])
     assert float(jnp.abs(written.k).sum()) == float(jnp.abs(new).sum() - jnp.abs(new[:, 2, 1]).sum())
-    np.testing.assert_array_equal(write_layer(cache.k[0], new[0], positions, keys=True), written.k[0])
-    np.testing.assert_array_equal(write_layer(cache.v[0], -new[0], positions, keys=False), written.v[0])
+    np.testing.assert_array_equal(write_layer(cache.k[0], new[0], positions, transposed=transposed_keys),
+                                  written.k[0])
+    np.testing.assert_array_equal(write_layer(cache.v[0], -new[0], positions, transposed=False),
+                                  written.v[0])

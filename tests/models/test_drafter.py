@@ -77,6 +77,23 @@ def test_training_forward_matches_inference(target):
     np.testing.assert_array_equal(pad.cache.k, full.cache.k)  # padding entries are dropped
 
 
+def test_draft_cache_layouts_agree(qwen3):
+    """A draft context cache with keys stored like values (the accelerators' layout) drafts
+    the same blocks as the CPU's transposed layout, and holds the same entries."""
+    drafter = dspark_jax.init_drafter(qwen3, head="rnn", markov_rank=8, seed=3)
+    model, tmodel = drafter.model, qwen3.model
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
+    taps = _taps(qwen3, ids, drafter.config.target_layer_ids)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12)).at[1, 9:].set(16)  # row 1: 9 tokens
+    draft = jax.jit(lambda m, t, c: m.draft(t, ctx_taps=taps, ctx_positions=positions, cache=c,
+                                            anchor_tokens=ids[:, 8], anchor_positions=jnp.array([11, 8])))
+    ref = draft(model, tmodel, model.init_cache(2, 16, transposed_keys=True))
+    out = draft(model, tmodel, model.init_cache(2, 16, transposed_keys=False))
+    np.testing.assert_allclose(out.hidden, ref.hidden, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out.cache.k, ref.cache.k.swapaxes(-1, -2))
+    np.testing.assert_array_equal(out.cache.v, ref.cache.v)
+
+
 def test_training_labels_prev_logits_and_confidence(qwen3):
     drafter = dspark_jax.init_drafter(qwen3, block_size=4, markov_rank=8, seed=0)
     model = drafter.model

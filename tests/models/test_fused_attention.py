@@ -213,3 +213,84 @@ def test_a_drafter_trains_through_the_fused_attention():
     (ref_loss, ref_grads), (loss, grads) = results["einsum"], results["xla"]
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     jax.tree.map(lambda a, r: np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-6), grads, ref_grads)
+
+
+def _cache_attention_args(rng, t, b=4, n=64, h=6, kv=2, d=16):
+    """attend_cache's arguments over an untransposed cache of ``n`` slots: rows whose committed
+    lengths are none, one, some and all of the slots, and new tokens that see themselves and
+    some of the earlier new tokens."""
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(b, kv, n, d)), jnp.float32) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(b, t, kv, d)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([0, 1, 37, n][:b], jnp.int32)
+    cache_visible = jnp.broadcast_to(jnp.arange(n)[None, None] < lengths[:, None, None], (b, t, n))
+    new_visible = np.tril(np.ones((t, t), bool)) & (rng.random((b, t, t)) < 0.7)
+    new_visible |= np.eye(t, dtype=bool)
+    return (q, k_cache, v_cache, cache_visible, k_new, v_new, jnp.asarray(new_visible)), lengths
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_the_pallas_cache_kernel_equals_the_einsum(t):
+    """A decode step (T = 1) and a verify (T = 5) over the cache through the Pallas decode
+    kernel (interpret mode on a CPU) equal the einsum, including a row with nothing cached."""
+    args, lengths = _cache_attention_args(np.random.default_rng(5), t)
+
+    def run(impl):
+        return jax.jit(lambda *a: fused_attention.attend_cache(
+            *a, lengths=lengths, scale=0.3, transposed_keys=False, implementation=impl))
+
+    assert "pallas_call" in str(jax.make_jaxpr(run("pallas"))(*args))
+    ref, out = run("einsum")(*args), run("pallas")(*args)
+    assert np.abs(np.asarray(ref)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+def test_the_pallas_cache_kernel_applies_only_where_it_can():
+    """Keys in the CPU's transposed layout, a sliding window (no lengths), a cache length or
+    head dim that Triton's power-of-two blocks cannot tile: the einsum, not the kernel."""
+    rng = np.random.default_rng(6)
+    args, lengths = _cache_attention_args(rng, 2)
+    q, k_cache, v_cache, visible, k_new, v_new, new_visible = args
+
+    def kernel_used(*a, **kw):
+        fn = lambda *x: fused_attention.attend_cache(*x, implementation="pallas", **kw)  # noqa: E731
+        return "pallas_call" in str(jax.make_jaxpr(fn)(*a))
+
+    assert kernel_used(*args, lengths=lengths, transposed_keys=False)
+    transposed = (q, k_cache.swapaxes(2, 3), v_cache, visible, k_new, v_new, new_visible)
+    assert not kernel_used(*transposed, lengths=lengths, transposed_keys=True)
+    assert not kernel_used(*args, lengths=None, transposed_keys=False)
+    odd = (q, k_cache[:, :, :40], v_cache[:, :, :40], visible[..., :40], k_new, v_new, new_visible)
+    assert not kernel_used(*odd, lengths=jnp.minimum(lengths, 40), transposed_keys=False)
+    assert fused_attention.pallas_cache_split(64, 12) is None
+    assert [fused_attention.pallas_cache_split(n, 64) for n in (16, 128, 512, 736, 8192)] == [
+        16, 16, 32, 32, 512]
+    with pytest.raises(ValueError, match="unknown cache attention implementation 'paged'"):
+        fused_attention.attend_cache(*args, implementation="paged")
+
+
+def test_a_verify_through_the_pallas_cache_kernel_equals_the_einsum():
+    """The whole decoder: a prefill into an untransposed cache, then a verify of 4 tokens per
+    row through the kernel, against the CPU's transposed cache and the einsum."""
+    from dspark_jax.models.kv_cache import KVCache
+
+    config = dict(QWEN3, head_dim=16)
+    model = init_target({k: v for k, v in config.items() if v is not None}, seed=4).model
+    rng = np.random.default_rng(7)
+    rows, slots, t = 3, 64, 4
+    history = jnp.asarray(rng.integers(0, 64, (rows, slots)))
+    starts = np.array([0, 21, slots - t])
+    new = jnp.asarray(rng.integers(0, 64, (rows, t)))
+    positions = jnp.asarray(starts[:, None] + np.arange(t))
+
+    def verify(transposed_keys, impl):
+        cache = KVCache.for_model(model.config, rows, slots, jnp.float32, transposed_keys)
+        cache = model(history, jnp.broadcast_to(jnp.arange(slots), (rows, slots)), cache=cache).cache
+        out = jax.jit(lambda c, x, p: model(x, p, cache=c, cache_attention=impl, tap_layer_ids=(1,)))(
+            cache, new, positions)
+        keys = out.cache.k if transposed_keys else out.cache.k.swapaxes(-1, -2)
+        return out.hidden, out.taps, keys, out.cache.v
+
+    ref, got = verify(True, "einsum"), verify(False, "pallas")
+    for want, have in zip(ref, got, strict=True):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=1e-4)

@@ -24,6 +24,17 @@ GEMMA4 = dict(GEMMA3, architectures=["Gemma4ForCausalLM"], global_head_dim=16,
 
 @pytest.mark.parametrize("config", [QWEN3, GEMMA3, GEMMA4], ids=["qwen3", "gemma3", "gemma4"])
 def test_ragged_forward_matches_batched_decoder(config):
+    _ragged_against_batched(config)
+
+
+def test_ragged_forward_over_an_accelerators_cache_layout():
+    """Keys stored like values ([L, S, K, N, D], as off a CPU) and the Pallas decode kernel
+    (interpret mode) on Gemma4's full layers, whose head dim (16) it tiles; its sliding layers
+    take the einsum."""
+    _ragged_against_batched(GEMMA4, transposed_keys=False, cache_attention="pallas")
+
+
+def _ragged_against_batched(config, transposed_keys=True, cache_attention=None):
     target = init_target(config, seed=3)
     model = target.model
     rng = np.random.default_rng(0)
@@ -33,10 +44,11 @@ def test_ragged_forward_matches_batched_decoder(config):
     history = rng.integers(0, 48, (rows, slots))
     new = rng.integers(0, 48, (rows, width))
     cfg = model.config
-    cache = KVCache.for_model(cfg, rows, slots, jnp.float32)
     # Fill each row's history with a plain prefill; the batched reference then extends it.
     positions = jnp.broadcast_to(jnp.arange(slots), (rows, slots))
-    cache = model(jnp.asarray(history), positions, cache=cache).cache
+    cache, layout_cache = (model(jnp.asarray(history), positions,
+                                 cache=KVCache.for_model(cfg, rows, slots, jnp.float32, keys)).cache
+                           for keys in (True, transposed_keys))
     ref_pos = jnp.asarray(starts[:, None] + np.arange(width))
     ref = model(jnp.asarray(new), ref_pos, cache=cache, tap_layer_ids=(-1, 1), write_cache=False)
 
@@ -44,9 +56,10 @@ def test_ragged_forward_matches_batched_decoder(config):
     flat_cols = np.concatenate([np.arange(c) for c in counts] + [[0, 0]])
     tokens = new[np.minimum(flat_rows, rows - 1), flat_cols]
     flat_pos = starts[np.minimum(flat_rows, rows - 1)] + flat_cols
-    forward = jax.jit(lambda *args: ragged_forward(model, *args, width=width, tap_layer_ids=(-1, 1)))
+    forward = jax.jit(lambda *args: ragged_forward(model, *args, width=width, tap_layer_ids=(-1, 1),
+                                                   cache_attention=cache_attention))
     out = forward(jnp.asarray(tokens), jnp.asarray(flat_pos), jnp.asarray(flat_rows),
-                  jnp.asarray(flat_cols), jnp.asarray(starts), cache)
+                  jnp.asarray(flat_cols), jnp.asarray(starts), layout_cache)
     real = flat_rows < rows
     r, c = flat_rows[real], flat_cols[real]
     np.testing.assert_allclose(out.hidden[real], ref.hidden[r, c], atol=1e-5)
