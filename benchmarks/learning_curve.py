@@ -10,7 +10,8 @@ one epoch of the held-out folders, the same anchors at every evaluation) and ``m
 may be gone (an earlier machine's), before them. Prints a Markdown table per run (held-out tau_probabilistic, accept_rate@0,
 @1, @3, and tau with the Markov head zeroed, W2 = 0, where the run has one) and writes
 ``benchmarks/results/learning_curve.json`` and ``.png`` (held-out tau and tau with W2 = 0 against
-steps; training-batch tau behind them).
+steps; training-batch tau behind them; below, each run's held-out acceptance by block
+position at its last evaluation, the suffix decay, with the fall from position 1 to 6).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def read_jsonl(path: Path) -> list[dict]:
                 record = json.loads(line)
                 by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+def positions(record: dict) -> list[float]:
+    """accept_rate@0, @1, ... of a held-out record: the acceptance at each block position."""
+    return [record[f"accept_rate@{k}"] for k in range(len(record)) if f"accept_rate@{k}" in record]
+
+
+def suffix_fall(accept: list[float]) -> float:
+    """The relative change of acceptance from block position 1 to 6 (negative: it falls)."""
+    return accept[5] / accept[0] - 1
 
 
 def main(argv=None) -> int:
@@ -64,12 +75,24 @@ def main(argv=None) -> int:
                   f"{r['accept_rate@1']:.4f} | {r['accept_rate@3']:.4f} | "
                   + (f"{zero:.4f}" if zero is not None else "-") + " |")
 
+    print("\nHeld-out acceptance by block position at each run's last evaluation (teacher-forced: "
+          "each position given a correct prefix):\n")
+    width = max(len(positions(run["heldout"][-1])) for run in runs.values())
+    print("| run | step | " + " | ".join(f"pos {k + 1}" for k in range(width))
+          + " | fall, pos 1 -> 6 |")
+    print("|---|---|" + "---|" * (width + 1))
+    for label, run in runs.items():
+        last = run["heldout"][-1]
+        accept = positions(last)
+        print(f"| {label} | {last['step']} | " + " | ".join(f"{a:.4f}" for a in accept)
+              + f" | {suffix_fall(accept):+.1%} |")
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, (ax, by_position) = plt.subplots(2, 1, figsize=(11, 8), height_ratios=(3, 2))
     for i, (label, run) in enumerate(runs.items()):
         color = f"C{i}"
         steps = [r["step"] for r in run["heldout"]]
@@ -84,6 +107,16 @@ def main(argv=None) -> int:
     ax.set_ylabel("tau_probabilistic (teacher-forced, block 7)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves
+    for i, (label, run) in enumerate(runs.items()):
+        last = run["heldout"][-1]
+        accept = positions(last)
+        by_position.plot(range(1, len(accept) + 1), accept, "o-", color=f"C{i}",
+                         label=f"{label}, step {last['step']}")
+    by_position.set_xlabel("block position")
+    by_position.set_ylabel("held-out acceptance (teacher-forced)")
+    by_position.set_ylim(bottom=0)
+    by_position.grid(alpha=0.3)
+    by_position.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -336,9 +336,9 @@ class Decoder(nnx.Module):
             elif k_cache is None:
                 attended = attend(q, k_new, v_new, mask_l, scale=attn.scale)
             else:
-                attended = attend_cache(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
-                                        committed_l, k_new, v_new, mask_l, lengths=lengths_l,
-                                        scale=attn.scale, transposed_keys=cache.transposed_keys,
+                attended = attend_cache(q, k_cache, v_cache, committed_l, k_new, v_new, mask_l,
+                                        lengths=lengths_l, scale=attn.scale,
+                                        transposed_keys=cache.transposed_keys,
                                         implementation=cache_attention)
             h = layer.finish(h, attended)
             if taps is not None:

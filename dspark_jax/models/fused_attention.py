@@ -196,7 +196,8 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
     Args:
       q: [B, T, H, D] queries of the new tokens.
       k_cache, v_cache: one layer of the cache (kv_cache.py layout): keys [B, K, D, N]
-        (``transposed_keys``) or [B, K, N, D], values [B, K, N, D].
+        (``transposed_keys``) or [B, K, N, D], values [B, K, N, D]; read in the new keys' and
+        values' dtype.
       cache_visible: bool [B, T, view], True where query t may see slot s (the einsum's mask).
       k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
       lengths: int [B] when every query of row b sees exactly the slots < lengths[b] (a
@@ -220,13 +221,14 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
                          f"{', '.join(CACHE_IMPLEMENTATIONS)}")
     split = pallas_cache_split(v_cache.shape[2], q.shape[-1])
     if impl == "pallas" and lengths is not None and not transposed_keys and split:
-        return _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible,
+        return _pallas_cache(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype), lengths,
+                             k_new, v_new, new_visible,
                              q.shape[-1] ** -0.5 if scale is None else scale, split)
     if view is not None:
         k_cache = slots_view(k_cache, view, transposed=transposed_keys)
         v_cache = slots_view(v_cache, view, transposed=False)
-    return attend_cached(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible,
-                         scale=scale, transposed_keys=transposed_keys)
+    return attend_cached(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype), cache_visible,
+                         k_new, v_new, new_visible, scale=scale, transposed_keys=transposed_keys)
 
 
 def pallas_cache_split(num_slots: int, head_dim: int) -> int | None:

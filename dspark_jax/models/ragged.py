@@ -120,10 +120,9 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos_l, sin_l))
         k_grid, v_grid, q_grid = (grid(x) for x in (k_new, v_new, q))
         if num_slots:
-            out = attend_cache(q_grid, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype),
-                               cached_l, k_grid, v_grid, causal_l, lengths=lengths_l, view=num_slots,
-                               scale=attn.scale, transposed_keys=cache.transposed_keys,
-                               implementation=cache_attention)
+            out = attend_cache(q_grid, k_cache, v_cache, cached_l, k_grid, v_grid, causal_l,
+                               lengths=lengths_l, view=num_slots, scale=attn.scale,
+                               transposed_keys=cache.transposed_keys, implementation=cache_attention)
         elif fused:  # a prefill: each row one segment of its tokens
             out = attend_segments(q_grid, k_grid, v_grid, row_tokens, scale=attn.scale,
                                   window=window_l, implementation=impl)
