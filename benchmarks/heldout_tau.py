@@ -7,9 +7,12 @@
 
 Each ``--drafter LABEL=PATH`` pairs with the ``--config`` before it (the same count, in order);
 the untrained drafter of that config (``init_drafter`` with the training seed: the run's step
-0) is evaluated too. Every drafter sees one epoch of the held-out folders packed with the same
-seed, so the same anchors. Writes benchmarks/results/heldout_tau.json and prints a table of
-tau_probabilistic, accept_rate@0 and the loss terms.
+0) is evaluated too, unless ``--skip-init``. Every drafter sees one epoch of the held-out
+folders packed with the same seed, so the same anchors; ``--max-batches 8`` keeps the first 8
+batches, as a training run's learning curve does with ``train.heldout_batches=8``, so the
+numbers compare with its ``heldout.jsonl``; ``--feature-dir`` (one cache per folder, from
+``prepare-features``) skips the target forward. Writes benchmarks/results/heldout_tau.json and
+prints a table of tau_probabilistic, accept_rate@0 and the loss terms.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ def main(argv=None) -> int:
     parser.add_argument("--config", action="append", required=True)
     parser.add_argument("--drafter", action="append", required=True, help="LABEL=PATH")
     parser.add_argument("--data", nargs="+", required=True, help="held-out prepared folders")
+    parser.add_argument("--feature-dir", nargs="+", help="feature caches of --data, same order")
+    parser.add_argument("--max-batches", type=int, help="only the epoch's first batches")
+    parser.add_argument("--skip-init", action="store_true", help="not the untrained drafters")
     parser.add_argument("--output", default="benchmarks/results/heldout_tau.json")
     args = parser.parse_args(argv)
     if len(args.config) != len(args.drafter):
@@ -41,10 +47,11 @@ def main(argv=None) -> int:
         label, path = spec.split("=", 1)
         config = load_config(config_path)
         target = target or dspark_jax.load_target(config.target)
-        for name, drafter in ((f"{label} (step 0)", dspark_jax.init_drafter(
-                target, config, seed=config.train.seed)),
-                              (label, dspark_jax.load_drafter(path, target))):
-            rows[name] = heldout_metrics(drafter, args.data, config.train)
+        drafters = [] if args.skip_init else [
+            (f"{label} (step 0)", dspark_jax.init_drafter(target, config, seed=config.train.seed))]
+        for name, drafter in drafters + [(label, dspark_jax.load_drafter(path, target))]:
+            rows[name] = heldout_metrics(drafter, args.data, config.train,
+                                         max_batches=args.max_batches, feature_dir=args.feature_dir)
     keys = ("tau_probabilistic", "accept_rate@0", "accept_rate@3", "ce_loss", "l1_loss",
             "valid_blocks")
     print("| drafter | " + " | ".join(keys) + " |")

@@ -73,7 +73,10 @@ class HeldOut:
 
 def heldout_metrics(drafter: Drafter, data_dir: str | os.PathLike | Sequence[str | os.PathLike],
                     train_cfg, *, batch_size: int | None = None, seed: int = 0,
-                    max_batches: int | None = None, progress: bool = True) -> dict[str, float]:
+                    max_batches: int | None = None,
+                    feature_dir: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+                    progress: bool = True) -> dict[str, float]:
     """Metrics of ``drafter`` over one epoch of ``data_dir`` (:class:`HeldOut`)."""
     return HeldOut(drafter, data_dir, train_cfg, batch_size=batch_size, seed=seed,
-                   max_batches=max_batches).metrics(drafter.state, progress=progress)
+                   max_batches=max_batches, feature_dir=feature_dir).metrics(drafter.state,
+                                                                             progress=progress)
