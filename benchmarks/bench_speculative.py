@@ -148,8 +148,8 @@ def main():
     prefill = prefill_step(target, taps_ids)
 
     def random_cache(cache):
-        return KVCache(*(jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
-                         for x in (cache.k, cache.v)))
+        return cache.replace(**{name: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+                                for name, x in (("k", cache.k), ("v", cache.v))})
 
     def isolated_steps(ids: list[list[int]]) -> dict:
         """Median t_verify / t_draft for the generate call of these prompts."""

@@ -120,10 +120,11 @@ def verify_costs(target, cfg, rows: int, sizes, context: int, repeats: int,
 
     step = verify_step(target, (), cache_attention)
     slots = -(-(context + max(sizes) + 1) // 128) * 128  # a multiple the decode kernel tiles
+    transposed_keys = False if cache_attention == "pallas" else None  # the kernel's layout
     ms = {}
     for t in sizes:
         cache = KVCache.zeros(cfg["num_hidden_layers"], rows, slots, cfg["num_key_value_heads"],
-                              cfg["head_dim"], target.dtype)
+                              cfg["head_dim"], target.dtype, transposed_keys)
         tokens = jnp.ones((rows, t), jnp.int32)
         positions = jnp.broadcast_to(context + jnp.arange(t, dtype=jnp.int32), (rows, t))
         holder = [cache]
@@ -317,13 +318,12 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from dspark_jax.models.fused_attention import CACHE_IMPLEMENTATIONS, default_cache_implementation
+    from dspark_jax.models.fused_attention import default_cache_implementation
     from dspark_jax.target import init_target
 
-    if not args.cache_attention:
-        default = default_cache_implementation()
-        args.cache_attention = [default] + [i for i in CACHE_IMPLEMENTATIONS if i != default
-                                            and default == "pallas"]
+    if not args.cache_attention:  # on a GPU both kernels, the default first
+        args.cache_attention = (["pallas", "einsum"] if default_cache_implementation() == "pallas"
+                                else ["einsum"])
     cfg = SMOKE if args.smoke else QWEN3_1_7B
     result = dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),

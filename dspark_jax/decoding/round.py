@@ -117,7 +117,7 @@ class Slots:
 
 @struct.dataclass
 class Caches:
-    target: KVCache  # keys [L, S, K, D, N], values [L, S, K, N, D]
+    target: KVCache  # keys [L, S, K, D, N] (on a CPU; else like values), values [L, S, K, N, D]
     drafter: KVCache | None  # the same layout over L_draft layers; None without a drafter
 
 

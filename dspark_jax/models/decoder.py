@@ -300,8 +300,9 @@ class Decoder(nnx.Module):
             committed = jnp.arange(cache.num_slots)[None, None, :] < lengths[:, None, None]
             committed = jnp.broadcast_to(committed, (tokens.shape[0], tokens.shape[1], cache.num_slots))
 
-        def inputs_of(layer_type):  # (rope, mask over the new tokens, over the cache, its
-            if layer_type == FULL:  # lengths, window)
+        # Per layer type: (rope, mask over the new tokens, over the cache, its lengths, window).
+        def inputs_of(layer_type):
+            if layer_type == FULL:
                 return self.rope(positions), mask, committed, lengths, None
             window = self.config.sliding_window
             if segment_ids is not None:  # a static window for the fused kernel

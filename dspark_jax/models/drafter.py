@@ -234,8 +234,8 @@ class DSparkModel(nnx.Module):
             q = attn.queries(x, cos, sin)
             k_block, v_block = attn.keys_values(x, cos, sin)
             if k_cache is not None:
-                k_cache = write_layer(k_cache, k_ctx, ctx_slots, transposed=transposed)
-                v_cache = write_layer(v_cache, v_ctx, ctx_slots, transposed=False)
+                k_cache = write_layer(k_cache, k_ctx, ctx_slots, transposed_keys=transposed)
+                v_cache = write_layer(v_cache, v_ctx, ctx_slots, transposed_keys=False)
                 out = attend_blockwise(q, k_cache.astype(k_block.dtype), v_cache.astype(v_block.dtype),
                                        mask.context, k_block, v_block, mask.keep,
                                        block_size=self.config.block_size, scale=attn.scale,

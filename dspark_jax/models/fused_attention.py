@@ -14,12 +14,14 @@ drafter's training forward attends over its context and its own block
   ``implementation=None`` means XLA's, which stores the scores, so it is never passed);
 * CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
 
-Decode and verify steps attend over the KV cache (:func:`attend_cache`). On a GPU,
+Decode and verify steps attend over the KV cache (:func:`attend_cache`). On a single GPU,
 ``"pallas"`` runs the cache part through JAX's Pallas (Triton) decode kernel
 (``jax.experimental.pallas.ops.gpu.decode_attention``, flash decoding: each (row, kv head)
-streams only its committed slots, split over up to 16 programs), with the T new tokens of a
+streams only its committed slots, split over 16 or more programs), with the T new tokens of a
 verify folded into the query heads, and merges it with the T x T part by the softmax residuals;
-elsewhere, and for sliding-window layers, the einsum (:func:`layers.attend_cached`).
+elsewhere the einsum (:func:`layers.attend_cached`): on TPUs and CPUs, under a mesh of several
+devices (a Pallas call has no sharding rule), for sliding-window layers and for stacks that mix
+layer types (Gemma3), whose lengths do not bound what a query sees.
 
 ``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
 arguments, checkable on a CPU. Off a TPU, splash runs in Pallas' interpret mode (tests only).
@@ -203,14 +205,14 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
       lengths: int [B] when every query of row b sees exactly the slots < lengths[b] (a
         full-attention layer): the kernel then reads only those; None (a sliding window): the
         einsum over ``cache_visible``.
-      view: the einsum reads only the first ``view`` slots (None: all N); every length is at
-        most ``view``.
+      view: read only the first ``view`` slots (None: all N); every length is at most ``view``.
       scale: the scores' scale (None: D ** -0.5).
       transposed_keys: the layout of ``k_cache``.
       implementation: one of ``CACHE_IMPLEMENTATIONS`` (None: :func:`default_cache_implementation`);
-        "pallas" falls back to the einsum where the kernel does not apply
-        (:func:`pallas_cache_split`: keys [B, K, N, D], a power-of-two head dim, N a multiple
-        of 16). Off a GPU the kernel runs in Pallas' interpret mode (tests only).
+        "pallas" falls back to the einsum where the kernel does not apply: keys [B, K, D, N],
+        no ``lengths``, a mesh of several devices, or a view and head dim the kernel cannot
+        tile (:func:`pallas_cache_split`). Off a GPU the kernel runs in Pallas' interpret mode
+        (tests only).
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -219,38 +221,49 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
     if impl not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"unknown cache attention implementation {impl!r}; choose one of "
                          f"{', '.join(CACHE_IMPLEMENTATIONS)}")
-    split = pallas_cache_split(v_cache.shape[2], q.shape[-1])
-    if impl == "pallas" and lengths is not None and not transposed_keys and split:
-        return _pallas_cache(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype), lengths,
-                             k_new, v_new, new_visible,
-                             q.shape[-1] ** -0.5 if scale is None else scale, split)
     if view is not None:
-        k_cache = slots_view(k_cache, view, transposed=transposed_keys)
-        v_cache = slots_view(v_cache, view, transposed=False)
-    return attend_cached(q, k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype), cache_visible,
-                         k_new, v_new, new_visible, scale=scale, transposed_keys=transposed_keys)
+        k_cache = slots_view(k_cache, view, transposed_keys=transposed_keys)
+        v_cache = slots_view(v_cache, view, transposed_keys=False)
+    k_cache, v_cache = k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype)
+    if impl == "pallas" and lengths is not None and not transposed_keys:
+        mesh = jax.sharding.get_abstract_mesh()
+        split = pallas_cache_split(v_cache.shape[2], q.shape[-1])
+        if split and (mesh.empty or mesh.size == 1):
+            return _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible,
+                                 q.shape[-1] ** -0.5 if scale is None else scale, split)
+    return attend_cached(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible,
+                         scale=scale, transposed_keys=transposed_keys)
+
+
+MAX_CACHE_PROGRAMS = 64  # more splits of a row's slots: the kernel's final sum gets long
 
 
 def pallas_cache_split(num_slots: int, head_dim: int) -> int | None:
     """Slots per program of the Pallas decode kernel over ``num_slots`` cache slots: the
-    largest power of two (at least 16) dividing ``num_slots`` that still leaves 16 programs
-    (fewer when the cache is short); None where the kernel does not apply (``num_slots`` not
-    a multiple of 16, or a head dim that is not a power of two of at least 16: Triton's
-    blocks are powers of two)."""
-    if num_slots % 16 or head_dim < 16 or head_dim & (head_dim - 1):
+    largest power of two (at least 16) dividing ``num_slots`` that leaves at least 16 programs
+    (fewer when the cache is short); None where the kernel does not apply: ``num_slots`` not
+    a multiple of 16, more than ``MAX_CACHE_PROGRAMS`` programs, or a head dim that is not a
+    power of two from 16 to 512 (Triton's blocks are powers of two; see :func:`_block_k`)."""
+    if num_slots % 16 or not 16 <= head_dim <= 512 or head_dim & (head_dim - 1):
         return None
     split = 16
     while num_slots % (2 * split) == 0 and num_slots // (2 * split) >= 16:
         split *= 2
-    return split
+    return split if num_slots // split <= MAX_CACHE_PROGRAMS else None
+
+
+def _block_k(split: int, head_dim: int) -> int:
+    """Slots per step of a program: at most 128, and at most 16,384 / head dim, so that the
+    key and value tiles of two pipeline stages fit a GPU's shared memory (128 KiB in bfloat16)."""
+    return min(split, 128, 16384 // head_dim)
 
 
 def _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible, scale: float,
                   split: int) -> jax.Array:
     """:func:`attend_cache` by the Pallas decode kernel: per (row, kv head) one multi-query
     attention of its T * G queries (the T new tokens folded into the G query heads) over the
-    row's committed slots, unnormalised with its softmax residuals (sum l, max m), merged with
-    the new tokens' T x T part as one softmax."""
+    row's committed slots, with its softmax residuals (sum l, max m), merged with the new
+    tokens' T x T part as one softmax."""
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     b, t, h, d = q.shape
@@ -265,15 +278,16 @@ def _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible, scale
     o, (l, m) = decode_attention.mqa(
         qg, k_cache.reshape(rows, n, d), v_cache.reshape(rows, n, d),
         kv_seq_len=jnp.repeat(lengths.astype(jnp.int32), kv), sm_scale=scale, k_splits=n // split,
-        block_k=min(128, split), interpret=jax.default_backend() != "gpu", return_residuals=True,
-        normalize_output=False)  # o [B*K, T*G, D] = sum exp(s - m) v, l = sum exp(s - m)
+        block_k=_block_k(split, d), interpret=jax.default_backend() != "gpu",
+        return_residuals=True)  # o [B*K, T*G, D] = sum exp(s - m) v / l, l = sum exp(s - m)
+    # (normalised in the kernel: an unnormalised sum could overflow float16)
     s_own = scores_of(qg, per_head(k_new), "nqd,nsd->nqs", scale)  # [B*K, T*G, T]
     visible = jnp.broadcast_to(new_visible[:, None, :, None, :], (b, kv, t, g, t))
     visible = visible.reshape(rows, t * g, t)
     peak = jnp.maximum(m, jnp.max(jnp.where(visible, s_own, -jnp.inf), axis=-1))
     w_own = jnp.where(visible, jnp.exp(s_own - peak[..., None]), 0.0)
     carried = jnp.exp(m - peak)  # the cache part's weights, rescaled to the common peak
-    total = o.astype(jnp.float32) * carried[..., None] + jnp.einsum(
+    total = o.astype(jnp.float32) * (l * carried)[..., None] + jnp.einsum(
         "nqs,nsd->nqd", w_own, per_head(v_new).astype(jnp.float32))
     denom = l * carried + w_own.sum(-1)
     out = total / jnp.where(denom > 0, denom, 1.0)[..., None]

@@ -46,7 +46,7 @@ class KVCache:
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
-    transposed_keys: bool = struct.field(pytree_node=False, default=True)
+    transposed_keys: bool = struct.field(pytree_node=False)
 
     @classmethod
     def for_model(cls, cfg, batch: int, slots: int, dtype,
@@ -117,11 +117,12 @@ class KVCache:
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,
-                transposed: bool) -> jax.Array:
+                transposed_keys: bool) -> jax.Array:
     """Scatters new entries into one layer of the cache.
 
     Args:
-      cache_layer: keys [B, K, D, S] (``transposed``) or values, or keys like them, [B, K, S, D].
+      cache_layer: keys [B, K, D, S] (``transposed_keys``) or values, or keys like them,
+        [B, K, S, D].
       new: [B, T, K, D], the entries of the tokens at ``positions``.
       positions: int [B, T], slot of each new token (positions >= S are dropped).
 
@@ -129,11 +130,12 @@ def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,
       ``cache_layer`` updated.
     """
     rows = jnp.arange(new.shape[0])[:, None]
-    index = (rows, slice(None), slice(None), positions) if transposed else (rows, slice(None), positions)
+    index = ((rows, slice(None), slice(None), positions) if transposed_keys
+             else (rows, slice(None), positions))
     return cache_layer.at[index].set(new.astype(cache_layer.dtype), mode="drop")
 
 
-def slots_view(cache_layer: jax.Array, num_slots: int, *, transposed: bool) -> jax.Array:
-    """The first ``num_slots`` slots of one layer: keys [B, K, D, S] (``transposed``) or
-    [B, K, S, D] -> the same with S = num_slots."""
-    return cache_layer[..., :num_slots] if transposed else cache_layer[:, :, :num_slots]
+def slots_view(cache_layer: jax.Array, num_slots: int, *, transposed_keys: bool) -> jax.Array:
+    """The first ``num_slots`` slots of one layer: keys [B, K, D, S] (``transposed_keys``) or
+    values (or keys like them) [B, K, S, D] -> the same with S = num_slots."""
+    return cache_layer[..., :num_slots] if transposed_keys else cache_layer[:, :, :num_slots]

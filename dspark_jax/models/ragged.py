@@ -89,8 +89,9 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     causal = jnp.broadcast_to(jnp.arange(width)[None, :] <= jnp.arange(width)[:, None],
                               (num_rows, width, width))
 
-    def inputs_of(layer_type):  # (rope, mask over the cache, its lengths, over the row's new
-        if layer_type == FULL:  # tokens, window)
+    # Per layer type: (rope, mask over the cache, its lengths, over the row's new tokens, window).
+    def inputs_of(layer_type):
+        if layer_type == FULL:
             return model.rope(positions[None]), cached, starts, causal, None
         window = model.config.sliding_window  # a grid token (row, col) is at starts[row] + col
         if fused:  # the kernel takes the window itself (static)

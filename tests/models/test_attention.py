@@ -75,7 +75,7 @@ def test_cache_writes_land_in_the_head_major_layout(transposed_keys):
                 np.testing.assert_array_equal(key[:, row], new[:, row, col])
                 np.testing.assert_array_equal(written.v[:, row, :, slot], -new[:, row, col])
     assert float(jnp.abs(written.k).sum()) == float(jnp.abs(new).sum() - jnp.abs(new[:, 2, 1]).sum())
-    np.testing.assert_array_equal(write_layer(cache.k[0], new[0], positions, transposed=transposed_keys),
+    np.testing.assert_array_equal(write_layer(cache.k[0], new[0], positions, transposed_keys=transposed_keys),
                                   written.k[0])
-    np.testing.assert_array_equal(write_layer(cache.v[0], -new[0], positions, transposed=False),
+    np.testing.assert_array_equal(write_layer(cache.v[0], -new[0], positions, transposed_keys=False),
                                   written.v[0])

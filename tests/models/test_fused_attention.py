@@ -229,25 +229,30 @@ def _cache_attention_args(rng, t, b=4, n=64, h=6, kv=2, d=16):
     return (q, k_cache, v_cache, cache_visible, k_new, v_new, jnp.asarray(new_visible)), lengths
 
 
-@pytest.mark.parametrize("t", [1, 5])
-def test_the_pallas_cache_kernel_equals_the_einsum(t):
+@pytest.mark.parametrize("t, dtype, atol", [(1, jnp.float32, 2e-5), (5, jnp.float32, 2e-5),
+                                            (5, jnp.bfloat16, 3e-2)])
+def test_the_pallas_cache_kernel_equals_the_einsum(t, dtype, atol):
     """A decode step (T = 1) and a verify (T = 5) over the cache through the Pallas decode
-    kernel (interpret mode on a CPU) equal the einsum, including a row with nothing cached."""
+    kernel (interpret mode on a CPU) equal the einsum, including a row with nothing cached;
+    in bfloat16 (the accelerators' dtype) against the float32 einsum of the same inputs."""
     args, lengths = _cache_attention_args(np.random.default_rng(5), t)
+    args = tuple(a.astype(dtype) if a.dtype == jnp.float32 else a for a in args)
 
-    def run(impl):
+    def run(impl, *inputs):
         return jax.jit(lambda *a: fused_attention.attend_cache(
-            *a, lengths=lengths, scale=0.3, transposed_keys=False, implementation=impl))
+            *a, lengths=lengths, scale=0.3, transposed_keys=False, implementation=impl))(*inputs)
 
-    assert "pallas_call" in str(jax.make_jaxpr(run("pallas"))(*args))
-    ref, out = run("einsum")(*args), run("pallas")(*args)
-    assert np.abs(np.asarray(ref)).max() > 0.1
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: run("pallas", *a))(*args))
+    ref = run("einsum", *(a.astype(jnp.float32) if a.dtype == dtype else a for a in args))
+    out = run("pallas", *args)
+    assert out.dtype == dtype and np.abs(np.asarray(ref)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=atol)
 
 
-def test_the_pallas_cache_kernel_applies_only_where_it_can():
+def test_the_pallas_cache_kernel_applies_only_where_it_can(monkeypatch):
     """Keys in the CPU's transposed layout, a sliding window (no lengths), a cache length or
-    head dim that Triton's power-of-two blocks cannot tile: the einsum, not the kernel."""
+    head dim that Triton's power-of-two blocks cannot tile, a mesh of several devices: the
+    einsum, not the kernel."""
     rng = np.random.default_rng(6)
     args, lengths = _cache_attention_args(rng, 2)
     q, k_cache, v_cache, visible, k_new, v_new, new_visible = args
@@ -262,9 +267,14 @@ def test_the_pallas_cache_kernel_applies_only_where_it_can():
     assert not kernel_used(*args, lengths=None, transposed_keys=False)
     odd = (q, k_cache[:, :, :40], v_cache[:, :, :40], visible[..., :40], k_new, v_new, new_visible)
     assert not kernel_used(*odd, lengths=jnp.minimum(lengths, 40), transposed_keys=False)
-    assert fused_attention.pallas_cache_split(64, 12) is None
-    assert [fused_attention.pallas_cache_split(n, 64) for n in (16, 128, 512, 736, 8192)] == [
-        16, 16, 32, 32, 512]
+    assert kernel_used(*args, lengths=jnp.minimum(lengths, 32), transposed_keys=False, view=32)
+    with monkeypatch.context() as patch:  # as under jax.set_mesh of two devices
+        patch.setattr(jax.sharding, "get_abstract_mesh",
+                      lambda: jax.sharding.AbstractMesh((2,), ("data",)))
+        assert not kernel_used(*args, lengths=lengths, transposed_keys=False)
+    assert [fused_attention.pallas_cache_split(64, d) for d in (8, 12, 1024)] == [None] * 3
+    assert [fused_attention.pallas_cache_split(n, 64) for n in (16, 128, 512, 736, 8192, 16016)] == [
+        16, 16, 32, 32, 512, None]  # 16,016 = 1,001 programs of 16 slots
     with pytest.raises(ValueError, match="unknown cache attention implementation 'paged'"):
         fused_attention.attend_cache(*args, implementation="paged")
 
