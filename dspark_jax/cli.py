@@ -152,10 +152,16 @@ def cmd_convert(args) -> int:
     if args.drafter:
         if args.to not in ("deepspec", "dflash", "orbax"):
             raise ValueError(f"a drafter converts to deepspec, dflash or orbax, not {args.to!r}")
+        from dspark_jax import storage
+
         target = load_target(args.model)
         drafter = load_drafter(args.drafter, target)
+        # A folder's recorded training setting (anchors per sequence) carries over.
+        source = storage.as_path(args.drafter) / "config.json"
+        recorded = json.loads(source.read_text()) if source.exists() else {}
         path = drafter.save(args.output, layout=args.to, dtype=_dtype(args.dtype),
-                            target_tensors=not args.compact)
+                            target_tensors=not args.compact,
+                            num_anchors=recorded.get("num_anchors"))
         print(f"wrote {args.to} drafter to {path}")
         return 0
     if args.to not in ("hf", "orbax", "gguf"):

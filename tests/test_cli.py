@@ -32,12 +32,13 @@ def test_convert_a_drafter_to_a_compact_bfloat16_folder(tmp_path, capsys):
 
     target = init_target(TINY, seed=5)
     target.save_hf(tmp_path / "hf")
-    dspark_jax.init_drafter(target, seed=1, num_layers=1).save(tmp_path / "d")
+    dspark_jax.init_drafter(target, seed=1, num_layers=1).save(tmp_path / "d", num_anchors=64)
     assert cli.main(["convert", "--model", str(tmp_path / "hf"), "--drafter", str(tmp_path / "d"),
                      "--to", "deepspec", "--dtype", "bfloat16", "--compact",
                      "--output", str(tmp_path / "small")]) == 0
     loaded = dspark_jax.load_drafter(tmp_path / "small", load_target(tmp_path / "hf"))
     assert loaded.config.num_layers == 1
+    assert json.loads((tmp_path / "small" / "config.json").read_text())["num_anchors"] == 64
     assert (tmp_path / "small" / "model.safetensors").stat().st_size < 0.5 * (
         tmp_path / "d" / "model.safetensors").stat().st_size
     assert cli.main(["convert", "--model", str(tmp_path / "hf"), "--drafter", str(tmp_path / "d"),
