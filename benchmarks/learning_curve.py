@@ -77,14 +77,14 @@ def main(argv=None) -> int:
 
     print("\nHeld-out acceptance by block position at each run's last evaluation (teacher-forced: "
           "each position given a correct prefix):\n")
-    width = max(len(positions(run["heldout"][-1])) for run in runs.values())
+    last = {label: (run["heldout"][-1]["step"], positions(run["heldout"][-1]))
+            for label, run in runs.items()}  # {label: (step, acceptance by block position)}
+    width = max(len(accept) for _, accept in last.values())
     print("| run | step | " + " | ".join(f"pos {k + 1}" for k in range(width))
           + " | fall, pos 1 -> 6 |")
     print("|---|---|" + "---|" * (width + 1))
-    for label, run in runs.items():
-        last = run["heldout"][-1]
-        accept = positions(last)
-        print(f"| {label} | {last['step']} | " + " | ".join(f"{a:.4f}" for a in accept)
+    for label, (step, accept) in last.items():
+        print(f"| {label} | {step} | " + " | ".join(f"{a:.4f}" for a in accept)
               + f" | {suffix_fall(accept):+.1%} |")
 
     import matplotlib
@@ -107,11 +107,9 @@ def main(argv=None) -> int:
     ax.set_ylabel("tau_probabilistic (teacher-forced, block 7)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves
-    for i, (label, run) in enumerate(runs.items()):
-        last = run["heldout"][-1]
-        accept = positions(last)
+    for i, (label, (step, accept)) in enumerate(last.items()):
         by_position.plot(range(1, len(accept) + 1), accept, "o-", color=f"C{i}",
-                         label=f"{label}, step {last['step']}")
+                         label=f"{label}, step {step}")
     by_position.set_xlabel("block position")
     by_position.set_ylabel("held-out acceptance (teacher-forced)")
     by_position.set_ylim(bottom=0)

@@ -5,6 +5,8 @@
 #   bash launch/smollm2_campaign/train.sh [STEPS] [WORKDIR]     # defaults: 500, runs/campaign
 #   FEATURES=online bash launch/smollm2_campaign/train.sh ...    # no training feature cache
 #   START=bigram|reference CONFIG=configs/... bash ...              # a fresh drafter (compare.sh)
+#   LR=3e-4 bash launch/smollm2_campaign/train.sh ...             # peak learning rate (config's
+#                                                                 # train.learning_rate if unset)
 #
 # 1. Freezes data/campaign (from `answers.py import` and `launch/regenerate_smollm2.sh`) into
 #    WORKDIR/data once (hard links: the data job may keep writing to data/campaign).
@@ -38,6 +40,10 @@ case $START in
   reference) INIT=(--train.markov_init=reference) ;;
   *) echo "START=$START: choose warm, bigram or reference" >&2; exit 2 ;;
 esac
+SCHEDULE=()
+if [ -n "${LR:-}" ]; then
+  SCHEDULE=(--train.learning_rate="$LR")  # e.g. lower for a warm start than for a fresh drafter
+fi
 DOMAINS=(math code chat heldout_math heldout_code heldout_chat)
 for d in "${DOMAINS[@]}"; do
   if [ ! -f "$WORK/data/$d/manifest.json" ]; then
@@ -56,6 +62,7 @@ if [ "${FEATURES:-cached}" = cached ]; then
   TRAIN_FEATURES=(--train.feature_dir="$(tuple features/math features/code features/chat)")
 fi
 dspark-jax train --config $CONFIG --workdir "$WORK" "${INIT[@]}" --train.max_steps="$STEPS" \
+  "${SCHEDULE[@]}" \
   --train.data_dir="$(tuple data/math data/code data/chat)" \
   "${TRAIN_FEATURES[@]}" \
   --train.heldout_dir="$(tuple data/heldout_math data/heldout_code data/heldout_chat)" \
