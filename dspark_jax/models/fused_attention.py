@@ -18,10 +18,12 @@ Decode and verify steps attend over the KV cache (:func:`attend_cache`). On a si
 ``"pallas"`` runs the cache part through JAX's Pallas (Triton) decode kernel
 (``jax.experimental.pallas.ops.gpu.decode_attention``, flash decoding: each (row, kv head)
 streams only its committed slots, split over 16 or more programs), with the T new tokens of a
-verify folded into the query heads, and merges it with the T x T part by the softmax residuals;
-elsewhere the einsum (:func:`layers.attend_cached`): on TPUs and CPUs, under a mesh of several
-devices (a Pallas call has no sharding rule), for sliding-window layers and for stacks that mix
-layer types (Gemma3), whose lengths do not bound what a query sees.
+verify folded into the query heads, and merges it with the T x T part by the softmax residuals.
+Under a mesh the kernel runs per shard (``jax.shard_map`` over rows and kv heads, sharded as the
+cache is: a Pallas call has no sharding rule of its own, so XLA would gather the whole cache to
+every device). Elsewhere the einsum (:func:`layers.attend_cached`): on TPUs and CPUs, for
+sliding-window layers and for stacks that mix layer types (Gemma3), whose lengths do not bound
+what a query sees.
 
 ``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
 arguments, checkable on a CPU. Off a TPU, splash runs in Pallas' interpret mode (tests only).
@@ -33,11 +35,15 @@ Shapes: B rows, T tokens, H query heads, K kv heads, D head dim.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from dspark_jax.models.kv_cache import slots_view
+from dspark_jax.sharding import logical_to_spec
 from dspark_jax.models.layers import attend, attend_blockwise, attend_cached, scores_of
 
 IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash")
@@ -210,9 +216,9 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
       transposed_keys: the layout of ``k_cache``.
       implementation: one of ``CACHE_IMPLEMENTATIONS`` (None: :func:`default_cache_implementation`);
         "pallas" falls back to the einsum where the kernel does not apply: keys [B, K, D, N],
-        no ``lengths``, a mesh of several devices, or a view and head dim the kernel cannot
-        tile (:func:`pallas_cache_split`). Off a GPU the kernel runs in Pallas' interpret mode
-        (tests only).
+        no ``lengths``, or a view and head dim the kernel cannot tile
+        (:func:`pallas_cache_split`). Under a mesh of several devices it runs per shard
+        (:func:`_per_shard`). Off a GPU the kernel runs in Pallas' interpret mode (tests only).
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -225,14 +231,30 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
         k_cache = slots_view(k_cache, view, transposed_keys=transposed_keys)
         v_cache = slots_view(v_cache, view, transposed_keys=False)
     k_cache, v_cache = k_cache.astype(k_new.dtype), v_cache.astype(v_new.dtype)
-    if impl == "pallas" and lengths is not None and not transposed_keys:
+    split = pallas_cache_split(v_cache.shape[2], q.shape[-1])
+    if impl == "pallas" and lengths is not None and not transposed_keys and split:
+        kernel = functools.partial(_pallas_cache, split=split,
+                                   scale=q.shape[-1] ** -0.5 if scale is None else scale)
         mesh = jax.sharding.get_abstract_mesh()
-        split = pallas_cache_split(v_cache.shape[2], q.shape[-1])
-        if split and (mesh.empty or mesh.size == 1):
-            return _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible,
-                                 q.shape[-1] ** -0.5 if scale is None else scale, split)
+        if not mesh.empty and mesh.size > 1:
+            kernel = _per_shard(kernel, mesh, rows=q.shape[0], kv_heads=v_cache.shape[1])
+        return kernel(q, k_cache, v_cache, lengths, k_new, v_new, new_visible)
     return attend_cached(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible,
                          scale=scale, transposed_keys=transposed_keys)
+
+
+def _per_shard(kernel, mesh, *, rows: int, kv_heads: int):
+    """``kernel`` (the arguments of :func:`_pallas_cache`) run on each device's shard of rows
+    and kv heads, split as the logical axis rules split the cache ("batch", "kv_heads"; an axis
+    that does not divide evenly stays whole). A device's query heads are those of its kv heads
+    (query head h belongs to kv head h // G, so equal contiguous shards of both agree); the
+    slots are never split, so every shard sees its rows' whole committed prefix."""
+    batch = logical_to_spec(("batch",), (rows,), mesh)[0]
+    heads = logical_to_spec(("kv_heads",), (kv_heads,), mesh)[0]
+    by_head = P(batch, None, heads, None)  # q, k_new, v_new [B, T, H or K, D]; the output
+    cache = P(batch, heads, None, None)  # [B, K, N, D]
+    return jax.shard_map(kernel, mesh=mesh, out_specs=by_head, check_vma=False,
+                         in_specs=(by_head, cache, cache, P(batch), by_head, by_head, P(batch)))
 
 
 MAX_CACHE_PROGRAMS = 64  # more splits of a row's slots: the kernel's final sum gets long
@@ -258,7 +280,7 @@ def _block_k(split: int, head_dim: int) -> int:
     return min(split, 128, 16384 // head_dim)
 
 
-def _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible, scale: float,
+def _pallas_cache(q, k_cache, v_cache, lengths, k_new, v_new, new_visible, *, scale: float,
                   split: int) -> jax.Array:
     """:func:`attend_cache` by the Pallas decode kernel: per (row, kv head) one multi-query
     attention of its T * G queries (the T new tokens folded into the G query heads) over the

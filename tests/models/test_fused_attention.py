@@ -7,11 +7,14 @@ mode, as a TPU would run it compiled."""
 
 from __future__ import annotations
 
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import run_on_cpu_devices
 from dspark_jax.models import fused_attention
 from dspark_jax.target import init_target
 
@@ -249,10 +252,9 @@ def test_the_pallas_cache_kernel_equals_the_einsum(t, dtype, atol):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=atol)
 
 
-def test_the_pallas_cache_kernel_applies_only_where_it_can(monkeypatch):
+def test_the_pallas_cache_kernel_applies_only_where_it_can():
     """Keys in the CPU's transposed layout, a sliding window (no lengths), a cache length or
-    head dim that Triton's power-of-two blocks cannot tile, a mesh of several devices: the
-    einsum, not the kernel."""
+    head dim that Triton's power-of-two blocks cannot tile: the einsum, not the kernel."""
     rng = np.random.default_rng(6)
     args, lengths = _cache_attention_args(rng, 2)
     q, k_cache, v_cache, visible, k_new, v_new, new_visible = args
@@ -268,10 +270,6 @@ def test_the_pallas_cache_kernel_applies_only_where_it_can(monkeypatch):
     odd = (q, k_cache[:, :, :40], v_cache[:, :, :40], visible[..., :40], k_new, v_new, new_visible)
     assert not kernel_used(*odd, lengths=jnp.minimum(lengths, 40), transposed_keys=False)
     assert kernel_used(*args, lengths=jnp.minimum(lengths, 32), transposed_keys=False, view=32)
-    with monkeypatch.context() as patch:  # as under jax.set_mesh of two devices
-        patch.setattr(jax.sharding, "get_abstract_mesh",
-                      lambda: jax.sharding.AbstractMesh((2,), ("data",)))
-        assert not kernel_used(*args, lengths=lengths, transposed_keys=False)
     assert [fused_attention.pallas_cache_split(64, d) for d in (8, 12, 1024)] == [None] * 3
     assert [fused_attention.pallas_cache_split(n, 64) for n in (16, 128, 512, 736, 8192, 16016)] == [
         16, 16, 32, 32, 512, None]  # 16,016 = 1,001 programs of 16 slots
@@ -304,3 +302,59 @@ def test_a_verify_through_the_pallas_cache_kernel_equals_the_einsum():
     ref, got = verify(True, "einsum"), verify(False, "pallas")
     for want, have in zip(ref, got, strict=True):
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=1e-4)
+
+
+MESH_SCRIPT = textwrap.dedent(r'''
+    import json
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from dspark_jax.models import fused_attention
+    from dspark_jax.sharding import logical_to_spec, make_mesh
+
+    assert len(jax.devices()) == 8
+    rng = np.random.default_rng(8)
+    b, t, n, h, kv, d = 4, 3, 64, 6, 2, 16
+    lengths = jnp.asarray([0, 1, 37, n], jnp.int32)
+    new_visible = np.tril(np.ones((t, t), bool)) & (rng.random((b, t, t)) < 0.7) | np.eye(t, dtype=bool)
+    args = dict(q=rng.normal(size=(b, t, h, d)), k_cache=rng.normal(size=(b, kv, n, d)),
+                v_cache=rng.normal(size=(b, kv, n, d)),
+                cache_visible=np.arange(n)[None, None] < np.asarray(lengths)[:, None, None],
+                k_new=rng.normal(size=(b, t, kv, d)), v_new=rng.normal(size=(b, t, kv, d)),
+                new_visible=new_visible)
+    names = dict(q=("batch", None, "q_heads", None), k_cache=("batch", "kv_heads", None, None),
+                 v_cache=("batch", "kv_heads", None, None), cache_visible=("batch", None, None),
+                 k_new=("batch", None, "kv_heads", None), v_new=("batch", None, "kv_heads", None),
+                 new_visible=("batch", None, None))
+    args = {k: jnp.asarray(a, jnp.float32 if a.dtype == np.float64 else a.dtype) for k, a in args.items()}
+
+    def attend(impl):
+        return jax.jit(lambda a: fused_attention.attend_cache(
+            **a, lengths=lengths, transposed_keys=False, implementation=impl))
+
+    ref = np.asarray(attend("einsum")(args))
+    report = {}
+    for shape in [(4, 1, 2), (2, 2, 2), (1, 1, 8)]:
+        mesh = make_mesh(shape)
+        with jax.set_mesh(mesh):
+            placed = {k: jax.device_put(a, NamedSharding(mesh, logical_to_spec(names[k], a.shape, mesh)))
+                      for k, a in args.items()}
+            jaxpr = str(jax.make_jaxpr(attend("pallas"))(placed))
+            out = np.asarray(attend("pallas")(placed))
+        report[str(shape)] = dict(per_shard="shard_map" in jaxpr and "pallas_call" in jaxpr,
+                                  max_diff=float(np.abs(out - ref).max()))
+    print("REPORT " + json.dumps(report))
+''')
+
+
+def test_the_pallas_cache_kernel_runs_per_shard_under_a_mesh():
+    """Under meshes of 8 simulated devices the kernel runs on each device's rows and kv heads
+    (shard_map), the cache placed as the logical axis rules place it: rows over data (and fsdp)
+    and kv heads over tensor, or kept whole where they do not divide (8 devices, 2 kv heads).
+    Equal to the einsum without a mesh."""
+    report = run_on_cpu_devices(["-c", MESH_SCRIPT])
+    assert set(report) == {"(4, 1, 2)", "(2, 2, 2)", "(1, 1, 8)"}
+    for shape, result in report.items():
+        assert result["per_shard"], shape
+        assert result["max_diff"] < 2e-5, (shape, result)
