@@ -1,4 +1,5 @@
-"""Pieces the benchmark scripts share: the machine's name, a wall-clock timer, its memory
+"""Pieces the benchmark scripts share: the command line, the machine's name, a wall-clock
+timer, its memory
 read bandwidth, XLA:CPU's per-operation profile table, and the jitted prefill, target-verify and
 draft steps they time in isolation.
 
@@ -13,10 +14,19 @@ import json
 import os
 import platform
 import re
+import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """The command that runs ``script`` (a benchmark's ``__file__``) with ``argv`` (default
+    ``sys.argv[1:]``), as BENCHMARKS.md gives it: ``python benchmarks/<name>.py <arguments>``."""
+    path = Path(script).resolve()
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    return " ".join(["python", str(name), *(sys.argv[1:] if argv is None else argv)])
 
 
 def cpu_name() -> str:

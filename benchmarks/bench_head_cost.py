@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name, draft_step, timed, verify_step
+from _common import ROOT, command_line, cpu_name, draft_step, timed, verify_step
 
 
 
@@ -213,9 +213,6 @@ def main():
     print()
     print(table)
 
-    command = "/work/venv/bin/python " + " ".join(
-        [os.path.relpath(sys.argv[0], ROOT) if Path(sys.argv[0]).exists() else sys.argv[0]]
-        + sys.argv[1:])
     report = dict(
         benchmark="head_cost", model=args.model, dtype="float32", backend=jax.default_backend(),
         batch=b, context=ctx_len, cache_slots=slots, markov_rank=rank,
@@ -223,7 +220,7 @@ def main():
         confidence_head=not args.no_confidence_head, repeats=args.repeats, warmup=args.warmup,
         machine=f"{platform.machine()} {cpu_name()}", cpus=os.cpu_count(),
         load_average=list(os.getloadavg()), jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command,
+        date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command_line(__file__),
         wall_s=time.perf_counter() - started, rows=rows, table=table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))

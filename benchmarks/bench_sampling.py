@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name, timed
+from _common import ROOT, command_line, cpu_name, timed
 
 
 def gumbel_draw(key, probs):
@@ -63,7 +63,7 @@ def main() -> int:
               f"{ms['inverse_cdf']:6.2f} ms  ratio {results[-1]['ratio']:6.1f}x")
     report = dict(machine=cpu_name(), backend=jax.default_backend(), vocab=args.vocab,
                   repeats=args.repeats, date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                  command="python " + " ".join(sys.argv), results=results)
+                  command=command_line(__file__), results=results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     return 0

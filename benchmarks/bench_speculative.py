@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, cpu_name, draft_step, prefill_step, timed, verify_step
+from _common import ROOT, command_line, cpu_name, draft_step, prefill_step, timed, verify_step
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -348,9 +348,6 @@ def main():
     print()
     print(table)
 
-    command = "/work/venv/bin/python " + " ".join(
-        [os.path.relpath(sys.argv[0], ROOT) if Path(sys.argv[0]).exists() else sys.argv[0]]
-        + sys.argv[1:])
     report = dict(
         benchmark="speculative", model=args.model, dtype=np.dtype(target.dtype).name,
         backend=jax.default_backend(), drafter=drafter_desc,
@@ -361,7 +358,7 @@ def main():
         context_extra=args.context_extra, seed=args.seed,
         machine=f"{platform.machine()} {cpu_name()}", cpus=os.cpu_count(),
         load_average_start=load_start, load_average_end=list(os.getloadavg()),
-        jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command,
+        jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command_line(__file__),
         wall_s=time.perf_counter() - started, rows=rows, table=table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2, default=str))

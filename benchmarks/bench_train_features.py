@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name
+from _common import ROOT, command_line, cpu_name
 
 MODES = ("online", "cached")
 
@@ -310,9 +310,6 @@ def main():
     print()
     print(table)
 
-    command = "/work/venv/bin/python " + " ".join(
-        [os.path.relpath(sys.argv[0], ROOT) if Path(sys.argv[0]).exists() else sys.argv[0]]
-        + sys.argv[1:])
     report = dict(
         benchmark="train_features", config=str(args.config), target=config.target,
         data=str(args.data), backend=jax.default_backend(), rows=tcfg.global_batch_size,
@@ -321,7 +318,7 @@ def main():
         extraction=extraction, throughput=speed, memory=memory,
         machine=f"{platform.machine()} {cpu_name()}", cpus=os.cpu_count(),
         load_average=list(os.getloadavg()), jax=jax.__version__,
-        date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command,
+        date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command_line(__file__),
         wall_s=time.perf_counter() - started, table=table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))

@@ -46,12 +46,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 
-from _common import draft_step, verify_step
+from _common import command_line, draft_step, verify_step
 
 QWEN3_1_7B = dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2048,
                   intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -325,7 +324,7 @@ def main():
         args.cache_attention = (["pallas", "einsum"] if default_cache_implementation() == "pallas"
                                 else ["einsum"])
     cfg = SMOKE if args.smoke else QWEN3_1_7B
-    result = dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    result = dict(command=command_line(__file__), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                   jax=jax.__version__, host=platform.node(), smoke=args.smoke, target=cfg)
     # bfloat16 on the accelerator; float32 on a CPU (XLA:CPU lacks some bfloat16 dots).

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
 from pathlib import Path
+
+from _common import command_line, cpu_name
 
 import dspark_jax
 from dspark_jax.experiment import load_config
@@ -60,9 +60,8 @@ def main(argv=None) -> int:
         print(f"| {name} | " + " | ".join(f"{m[k]:.4g}" for k in keys) + " |")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python", "benchmarks/heldout_tau.py"] + list(argv or sys.argv[1:]))
-    out.write_text(json.dumps(dict(command=command,
-                                   machine=platform.platform(), date=time.strftime("%Y-%m-%d"),
+    out.write_text(json.dumps(dict(command=command_line(__file__, argv),
+                                   machine=cpu_name(), date=time.strftime("%Y-%m-%d"),
                                    data=args.data, results=rows), indent=2))
     print(f"wrote {out}")
     return 0

@@ -29,11 +29,10 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name
+from _common import ROOT, command_line, cpu_name
 
 from dspark_jax.experiment import apply_overrides, load_config
 from dspark_jax.training.data import load_manifest, write_manifest
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
     for name, r in results.items():
         for when, m in r["heldout"].items():
             print(f"| {name} | {when} | " + " | ".join(f"{m[k]:.4g}" for k in KEYS) + " |")
-    record = dict(command=" ".join(["python", "benchmarks/recipe_ablation.py"] + list(argv or sys.argv[1:])),
+    record = dict(command=command_line(__file__, argv),
                   machine=cpu_name(), date=time.strftime("%Y-%m-%d"), steps=args.steps,
                   data={d: load_manifest(d)["num_loss_tokens"] for d in data},
                   heldout={d: load_manifest(d)["num_loss_tokens"] for d in heldout}, results=results)
