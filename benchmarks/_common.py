@@ -121,22 +121,24 @@ def prefill_step(target, tap_layer_ids: tuple[int, ...]):
 
 def draft_step(target):
     """Jitted ``(drafter_graphdef, drafter_state, target_state, draft_cache, ctx_taps,
-    ctx_positions, anchor, anchor_pos, key, temperature, top_p, top_k) -> (BlockSample,
-    draft_cache)``: the whole draft step of the engine (context into the draft cache, the
-    block's forward, the scan sampler); the graphdef is static, the cache donated."""
+    ctx_positions, anchor, anchor_pos, key, temperature, top_p, top_k, draft_vocab=None) ->
+    (BlockSample, draft_cache)``: the whole draft step of the engine (context into the draft
+    cache, the block's forward, the scan sampler; ``draft_vocab`` int32 [V'] or None, as in
+    ``block_sampler``); the graphdef is static, the cache donated."""
     import jax
     from flax import nnx
 
     from dspark_jax.decoding.block_sampler import sample_draft
 
     def draft(graphdef, state, target_state, cache, ctx_taps, ctx_positions, anchor, anchor_pos,
-              key, temperature, top_p, top_k):
+              key, temperature, top_p, top_k, draft_vocab=None):
         model = nnx.merge(graphdef, state)
         target_model = nnx.merge(target.graphdef, target_state)
         out = model.draft(target_model, ctx_taps=ctx_taps, ctx_positions=ctx_positions,
                           cache=cache, anchor_tokens=anchor, anchor_positions=anchor_pos)
         sample = sample_draft(model, target_model, hidden=out.hidden, anchor_tokens=anchor,
-                              key=key, temperature=temperature, top_p=top_p, top_k=top_k)
+                              key=key, temperature=temperature, top_p=top_p, top_k=top_k,
+                              draft_vocab=draft_vocab)
         return sample, out.cache
 
     return jax.jit(draft, static_argnums=(0,), donate_argnums=(3,))

@@ -6,6 +6,11 @@ program by total time per decode step, each with its output shape from the compi
 
     python benchmarks/profile_decode.py --batch 1 --max-new-tokens 64
     python benchmarks/profile_decode.py --batch 32 --temperature 0.7 --top-p 0.8 --top-k 20
+    python benchmarks/profile_decode.py --drafter dspark-smollm2-135m   # per speculative round
+
+With ``--drafter`` the run decodes speculatively (the whole block verified) and the table is per
+round: the draft step's operations (the drafter's layers, its LM head, the block sampler's scan)
+beside the verify's.
 
 ``--group`` adds up operations that differ only in their numeric suffix (the prefill's and the
 loop's copies of one fusion; the shape shown is then that of one of them). The trace and the
@@ -38,6 +43,8 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--drafter", help="drafter folder or packaged name: profile speculative "
+                        "rounds (verify the whole block) instead of autoregressive steps")
     parser.add_argument("--group", action="store_true", help="sum ops that differ by suffix")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/dspark_profile"))
@@ -53,6 +60,8 @@ def main():
                for row in range(args.batch)]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
               top_p=args.top_p, top_k=args.top_k)
+    if args.drafter:
+        kw.update(drafter=dspark_jax.load_drafter(args.drafter, target), verify="full")
     dspark_jax.generate(target, prompts, **kw)  # compile
 
     trace_dir = args.workdir / "trace"
@@ -64,7 +73,8 @@ def main():
     # compiled here), for output shapes.
     hlo = "\n".join(program.as_text() for program in engine.compiled_programs())
     (args.workdir / "decode.hlo").write_text(hlo)
-    print(f"batch {args.batch}, prompt {args.prompt_len}, {steps} decode steps; ms per step "
+    unit = "speculative rounds" if args.drafter else "decode steps"
+    print(f"batch {args.batch}, prompt {args.prompt_len}, {steps} {unit}; ms per step "
           "(the prefill's operations included, spread over the steps):")
     print("\n".join(op_table(trace_dir, hlo, steps, group=args.group, top=args.top)))
     print(f"trace: {trace_dir}\nHLO: {args.workdir / 'decode.hlo'}")

@@ -146,6 +146,28 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_draft_vocab(args) -> int:
+    from dspark_jax.checkpoints.draft_vocab_file import save_draft_vocab
+    from dspark_jax.training.data import answer_token_counts, most_frequent
+
+    counts = answer_token_counts(args.data)
+    ids = most_frequent(counts, args.size)
+    source = dict(data=[str(d) for d in args.data], size=args.size,
+                  answer_tokens=int(counts.sum()), distinct_tokens=int((counts > 0).sum()),
+                  coverage=float(counts[ids].sum() / max(counts.sum(), 1)))
+    if args.heldout:
+        held = answer_token_counts(args.heldout)
+        source.update(heldout=[str(d) for d in args.heldout],
+                      heldout_coverage=float(held[ids].sum() / max(held.sum(), 1)))
+    path = save_draft_vocab(args.drafter, ids, source)
+    print(f"{args.size} of {counts.size} tokens ({source['distinct_tokens']} distinct among "
+          f"{source['answer_tokens']} answer tokens): they cover {source['coverage']:.2%} of the "
+          "data's answer tokens" + (f", {source['heldout_coverage']:.2%} of the held-out's"
+                                    if args.heldout else ""))
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_convert(args) -> int:
     from dspark_jax import load_drafter, load_target
 
@@ -449,6 +471,18 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--min-survivors", type=int, default=30,
                      help="a position with fewer surviving rounds in the fit split keeps T = 1")
     cal.set_defaults(func=cmd_calibrate)
+
+    dv = sub.add_parser("draft-vocab", help="restrict a drafter's proposals to the most frequent "
+                        "answer tokens of its training data (a cheaper draft step, still exact)")
+    dv.add_argument("--drafter", required=True, help="drafter folder: draft_vocab.json goes here "
+                    "(delete it to draft from the whole vocabulary again)")
+    dv.add_argument("--data", nargs="+", required=True,
+                    help="prepared training data folders (`prepare-data`; never eval sets)")
+    dv.add_argument("--size", type=int, required=True, help="V', the tokens the drafter may propose")
+    dv.add_argument("--heldout", nargs="+", default=[],
+                    help="prepared held-out folders: also report the share of their answer "
+                         "tokens the draft vocabulary covers")
+    dv.set_defaults(func=cmd_draft_vocab)
 
     prep = sub.add_parser("prepare-data", help="regenerate answers with the target (resumable)")
     prep.add_argument("--model", default="smollm2-135m-instruct")

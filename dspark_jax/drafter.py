@@ -22,6 +22,7 @@ from dspark_jax import sharding, storage
 from dspark_jax.checkpoints import deepspec
 from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints import calibration_file as calibration
+from dspark_jax.checkpoints import draft_vocab_file
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
 from dspark_jax.models.drafter import DSparkModel, first_proposal_slot
 from dspark_jax.target import Target
@@ -38,6 +39,9 @@ class Drafter:
       confidence_temperatures: float32 [P] STS temperatures (``dspark-jax calibrate``), read
         from and saved to ``calibration.json`` in the checkpoint folder; None = uncalibrated.
       calibration_fit: how they were fitted (the file's "fit" record).
+      draft_vocab: int32 [V'] the tokens the draft step may propose (``dspark-jax
+        draft-vocab``), read from and saved to ``draft_vocab.json``; None = all V.
+      draft_vocab_source: how they were chosen (the file's "source" record).
     """
 
     def __init__(self, config, model_config, state: nnx.State, graphdef, target: Target):
@@ -48,6 +52,8 @@ class Drafter:
         self.target = target
         self.confidence_temperatures = None
         self.calibration_fit = None
+        self.draft_vocab = None
+        self.draft_vocab_source = None
 
     @property
     def num_proposals(self) -> int:
@@ -62,6 +68,22 @@ class Drafter:
                              f"drafter with {self.num_proposals} proposals (all must be > 0)")
         self.confidence_temperatures = temps
         self.calibration_fit = dict(fit or {})
+
+    def restrict_vocab(self, token_ids, source: dict | None = None) -> None:
+        """Drafts from the tokens ``token_ids`` only (None: the whole vocabulary again): the
+        draft step computes its LM head and head bias over those V' tokens, V'/V of the cost.
+        Exactness is kept: rejection sampling corrects any draft law. Engines built afterwards
+        use it.
+
+        Raises:
+          ValueError: ids repeated or outside the target's vocabulary.
+        """
+        if token_ids is None:
+            self.draft_vocab = self.draft_vocab_source = None
+            return
+        self.draft_vocab = draft_vocab_file.check_draft_vocab(token_ids,
+                                                              self.target.config.vocab_size)
+        self.draft_vocab_source = dict(source or {})
 
     def __repr__(self):
         c = self.config
@@ -101,6 +123,9 @@ class Drafter:
         if self.confidence_temperatures is not None:
             extra[calibration.CALIBRATION_FILE] = calibration.calibration_text(
                 self.confidence_temperatures, self.calibration_fit)
+        if self.draft_vocab is not None:
+            extra[draft_vocab_file.DRAFT_VOCAB_FILE] = draft_vocab_file.draft_vocab_text(
+                self.draft_vocab, self.draft_vocab_source)
         return deepspec.save(path, layout=layout, model_cfg=self.model_config, cfg=self.config,
                              state=state, target_state=self.target.state if target_tensors else None,
                              target_config=self.target.config, extra_files=extra,
@@ -194,4 +219,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype=None) -> Drafter
             drafter.calibrate(found.temperatures, found.fit)
         except ValueError as e:
             raise CheckpointError(f"corrupt {calibration.CALIBRATION_FILE} in {path}: {e}") from e
+    if (Path(path) / draft_vocab_file.DRAFT_VOCAB_FILE).exists():
+        try:
+            found = draft_vocab_file.load_draft_vocab(path, target.config.vocab_size)
+        except ValueError as e:
+            raise CheckpointError(f"corrupt {draft_vocab_file.DRAFT_VOCAB_FILE} in {path}: {e}") from e
+        drafter.restrict_vocab(found.token_ids, found.source)
     return drafter

@@ -11,7 +11,13 @@ for the rejection sampler, together with the confidence logit of the slot.
 Temperature, top-p, top-k and the PRNG key are traced arrays: changing them never recompiles.
 Step k draws with ``sampling.fold_key(key, k)`` (one key, or a key per row).
 
-Shapes: b rows, P proposal slots, d hidden size, V vocabulary.
+A draft vocabulary (``draft_vocab``: V' token ids, the most frequent of the training data; as
+FR-Spec and EAGLE-3 draft) restricts the drafter's LM head and the head's bias to those tokens,
+so the draft step reads V'/V of the vocabulary matrix. The draft law q is then the renormalised
+law over the V' tokens, zero elsewhere; rejection sampling is exact for any q, so the output
+law is unchanged (a target token outside the V' is only ever emitted by the correction).
+
+Shapes: b rows, P proposal slots, d hidden size, V vocabulary, V' draft vocabulary.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class BlockSample(NamedTuple):
 def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | None,
                  confidence_with_markov: bool, hidden: jax.Array, base_logits: jax.Array,
                  anchor_tokens: jax.Array, key: jax.Array, temperature: jax.Array | float = 1.0,
-                 top_p: jax.Array | float = 1.0, top_k: jax.Array | int = 0) -> BlockSample:
+                 top_p: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
+                 draft_vocab: jax.Array | None = None, vocab_size: int | None = None) -> BlockSample:
     """Samples one block of draft tokens.
 
     Args:
@@ -42,15 +49,21 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
       confidence_head: the confidence head or None.
       confidence_with_markov: the confidence head reads [h_k; W1[prev_k]] (else h_k alone).
       hidden: [b, P, d] hidden states of the proposal slots.
-      base_logits: [b, P, V] lm_head(hidden) (float32).
+      base_logits: [b, P, V] lm_head(hidden) (float32); [b, P, V'] with ``draft_vocab``.
       anchor_tokens: int [b], the previous token of slot 0.
       key: PRNG key, or a key per row [b] (``sampling.split_key``).
-      temperature, top_p, top_k: scalars or [b] arrays (see ``sampling.sampling_probs``).
+      temperature, top_p, top_k: scalars or [b] arrays (see ``sampling.sampling_probs``),
+        applied to the V' logits under a draft vocabulary.
+      draft_vocab: int [V'] the draft vocabulary (distinct token ids), or None (all V).
+      vocab_size: V, the width of ``probs`` under a draft vocabulary.
 
     Returns:
-      BlockSample(tokens [b, P], probs [b, P, V], confidence [b, P] or None).
+      BlockSample(tokens [b, P], probs [b, P, V], confidence [b, P] or None); under a draft
+      vocabulary the tokens are among ``draft_vocab`` and probs is zero at every other token.
     """
     batch = anchor_tokens.shape[0]
+    if draft_vocab is not None and vocab_size is None:
+        raise ValueError("a draft vocabulary needs vocab_size, the width of the probability rows")
     state = (jnp.zeros((batch, 0), jnp.float32) if head is None else head.init_state((batch,)))
 
     def step(carry, xs):
@@ -58,9 +71,11 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
         index, h, base = xs
         logits = base.astype(jnp.float32)
         if head is not None:
-            state, bias = head.step(state, prev, h)
+            state, bias = head.step(state, prev, h, draft_vocab)
             logits = logits + bias
         tokens, probs = sample(fold_key(key, index), logits, temperature, top_p, top_k)
+        if draft_vocab is not None:
+            tokens = draft_vocab[tokens]  # an index into the V' -> the token id
         if confidence_head is None:
             confidence = jnp.zeros((batch,), jnp.float32)
         else:
@@ -71,27 +86,31 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
     xs = (jnp.arange(hidden.shape[1]), jnp.moveaxis(hidden, 1, 0), jnp.moveaxis(base_logits, 1, 0))
     _, (tokens, probs, confidence) = jax.lax.scan(
         step, (state, anchor_tokens.astype(jnp.int32)), xs)
-    return BlockSample(tokens.T, jnp.moveaxis(probs, 0, 1),
-                       None if confidence_head is None else confidence.T)
+    probs = jnp.moveaxis(probs, 0, 1)  # [b, P, V or V']
+    if draft_vocab is not None:
+        probs = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., draft_vocab].set(probs)
+    return BlockSample(tokens.T, probs, None if confidence_head is None else confidence.T)
 
 
 def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array, key: jax.Array,
                  temperature: jax.Array | float = 1.0, top_p: jax.Array | float = 1.0,
-                 top_k: jax.Array | int = 0) -> BlockSample:
+                 top_k: jax.Array | int = 0, draft_vocab: jax.Array | None = None) -> BlockSample:
     """Samples the proposals of blocks drafted by ``DSparkModel.draft``.
 
     Args:
       drafter: a ``DSparkModel``; target: the target ``Decoder`` (its LM head).
       hidden: [b, B, d] the block's hidden states; slots from ``drafter.first_proposal_slot``
         on are the proposals (P = B or B - 1).
-      anchor_tokens: int [b]; key, temperature, top_p, top_k as in :func:`sample_block`.
+      anchor_tokens: int [b]; key, temperature, top_p, top_k, draft_vocab as in
+        :func:`sample_block`.
     """
     proposal = hidden[:, drafter.first_proposal_slot:]
     return sample_block(head=drafter.markov_head, confidence_head=drafter.confidence_head,
                         confidence_with_markov=drafter.config.confidence_head_with_markov,
-                        hidden=proposal, base_logits=target.logits(proposal),
+                        hidden=proposal, base_logits=target.logits(proposal, draft_vocab),
                         anchor_tokens=anchor_tokens, key=key, temperature=temperature,
-                        top_p=top_p, top_k=top_k)
+                        top_p=top_p, top_k=top_k, draft_vocab=draft_vocab,
+                        vocab_size=target.config.vocab_size)
 
 
 def block_confidences(block: BlockSample, temperatures: jax.Array) -> jax.Array:

@@ -218,22 +218,22 @@ def emit_round(draft_tokens: jax.Array, verdict: rejection.VerifyResult, active:
 
 
 def _draft(target, drafter, *, taps, positions, cache, anchor, anchor_pos, key,
-           sampling: SamplingParams, temperatures):
+           sampling: SamplingParams, temperatures, draft_vocab):
     """The next block of every row: (draft cache, tokens [b, P], probs [b, P, V], confidences
-    [b, P], raw confidence logits [b, P])."""
+    [b, P], raw confidence logits [b, P]); ``draft_vocab`` as in ``block_sampler``."""
     drafted = drafter.draft(target, ctx_taps=taps, ctx_positions=positions, cache=cache,
                             anchor_tokens=anchor, anchor_positions=anchor_pos)
     block = sample_draft(drafter, target, hidden=drafted.hidden, anchor_tokens=anchor, key=key,
                          temperature=sampling.temperature, top_p=sampling.top_p,
-                         top_k=sampling.top_k)
+                         top_k=sampling.top_k, draft_vocab=draft_vocab)
     raw = (jnp.zeros(block.tokens.shape, jnp.float32) if block.confidence is None
            else block.confidence.astype(jnp.float32))
     return drafted.cache, block.tokens, block.probs, block_confidences(block, temperatures), raw
 
 
 def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admissions,
-            eos_ids: jax.Array, temperatures: jax.Array, *, width: int
-            ) -> tuple[Slots, Caches, jax.Array]:
+            eos_ids: jax.Array, temperatures: jax.Array, draft_vocab: jax.Array | None, *,
+            width: int) -> tuple[Slots, Caches, jax.Array]:
     """Admits A requests: target K/V and taps of their prompts, first token, first draft.
 
     The slots' cache rows are overwritten from position 0 (nothing of a previous request is
@@ -242,6 +242,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     Args:
       target: the target ``Decoder``; drafter: its ``DSparkModel`` or None.
       temperatures: float32 [P] the drafter's STS temperatures (ones: uncalibrated).
+      draft_vocab: int32 [V'] the drafter's draft vocabulary, or None (the whole vocabulary).
       width: W, the static prompt width of the admission grid (>= every prompt length).
 
     Returns:
@@ -272,7 +273,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
         new_cache, tokens, probs, conf, raw = _draft(
             target, drafter, taps=to_grid(o.taps, a.rows, a.cols, num_admitted, width),
             positions=grid_positions, cache=fresh, anchor=first, anchor_pos=a.length,
-            key=k_draft, sampling=a.sampling, temperatures=temperatures)
+            key=k_draft, sampling=a.sampling, temperatures=temperatures, draft_vocab=draft_vocab)
         d_cache = caches.drafter.set_rows(new_cache, a.slot)
         block = dict(block_tokens=put(slots.block_tokens, tokens),
                      block_probs=put(slots.block_probs, probs),
@@ -293,14 +294,16 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
 
 
 def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: jax.Array,
-                 eos_ids: jax.Array, temperatures: jax.Array, *, buckets: tuple[int, ...],
-                 view: int | None = None) -> tuple[Slots, Caches, RoundOutput]:
+                 eos_ids: jax.Array, temperatures: jax.Array, draft_vocab: jax.Array | None, *,
+                 buckets: tuple[int, ...], view: int | None = None
+                 ) -> tuple[Slots, Caches, RoundOutput]:
     """One verify + emit + draft round over every slot.
 
     Args:
       target: the target ``Decoder``; drafter: its ``DSparkModel`` or None (autoregressive).
       proposal_len: int32 [S] drafts each slot verifies (0 for free slots; the scheduler's choice).
       temperatures: float32 [P] the drafter's STS temperatures.
+      draft_vocab: int32 [V'] the drafter's draft vocabulary, or None (the whole vocabulary).
       buckets: static sorted flat token counts of the verify forward, the last one S * Q.
       view: static cache slots the verify attention reads (``ragged_forward``); every active
         slot's anchor_pos must be at most ``view`` (None: all).
@@ -407,7 +410,7 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: ja
         d_cache, tokens, probs, conf, raw = _draft(
             target, drafter, taps=new_taps, positions=written, cache=caches.drafter,
             anchor=new_anchor, anchor_pos=new_pos, key=k_draft, sampling=sampling,
-            temperatures=temperatures)
+            temperatures=temperatures, draft_vocab=draft_vocab)
         block = dict(block_tokens=tokens, block_probs=probs, confidence=conf,
                      confidence_logits=raw)
     history = jnp.stack([slots.history[1], slots.confidence])  # verified now; lagged in 2 rounds

@@ -238,6 +238,8 @@ class Engine:
         self._temperatures = (np.ones((self.num_proposals,), np.float32)
                               if drafter is None or drafter.confidence_temperatures is None
                               else np.asarray(drafter.confidence_temperatures, np.float32))
+        # Its draft vocabulary (``Drafter.draft_vocab``; None: the whole vocabulary), likewise.
+        self._draft_vocab = None if drafter is None else drafter.draft_vocab
         self.buckets = token_buckets(slots, self.num_proposals, buckets)
         self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
         self._eos_set = frozenset(target.eos_token_ids or ())
@@ -331,7 +333,8 @@ class Engine:
                 models += (d.graphdef, str(d.dtype), _shardings(d.state))
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))
         return (self._structure_id, self.num_slots, self.max_len,
-                self._slots.trace.proposal_len.shape[1], self.eos_ids.shape[0])
+                self._slots.trace.proposal_len.shape[1], self.eos_ids.shape[0],
+                None if self._draft_vocab is None else self._draft_vocab.shape[0])
 
     def _program(self, key, fn, args, static):
         program, seconds = _PROGRAMS.get(self._structure() + key, fn, args, static)
@@ -343,7 +346,7 @@ class Engine:
         """(program key, args, static args) of a run of rounds under ``policy`` reading ``view``
         cache slots."""
         args = self._models() + (self._slots, self._caches, eos_ids, policy_params,
-                                 jnp.int32(1), jnp.bool_(False))
+                                 self._draft_vocab, jnp.int32(1), jnp.bool_(False))
         key = ("rounds", self.buckets, policy if self.drafter is not None else None,
                policy_params["sps"].shape[0], view)
         return key, args, dict(buckets=self.buckets, policy=policy, view=view)
@@ -414,7 +417,7 @@ class Engine:
         eos_ids = self.eos_ids if eos_ids is None else eos_ids
         admissions, width = self._admissions(pairs)
         args = self._models() + (self._slots, self._caches, admissions, eos_ids,
-                                 self._temperatures)
+                                 self._temperatures, self._draft_vocab)
         key = ("admit", admissions.slot.shape[0], width, admissions.tokens.shape[0])
         program = self._program(key, step_lib.admit, args, dict(width=width))
         self._slots, self._caches, _ = program(*(a for i, a in enumerate(args) if i not in (0, 2)))
@@ -433,7 +436,7 @@ class Engine:
         for width, length in sorted(lengths.items()):
             admissions, width = self._admissions([(0, Request(0, [0] * length, 1))])
             args = self._models() + (self._slots, self._caches, admissions, self.eos_ids,
-                                     self._temperatures)
+                                     self._temperatures, self._draft_vocab)
             key = ("admit", 1, width, admissions.tokens.shape[0])
             self._program(key, step_lib.admit, args, dict(width=width))
         return self.compile_s - before

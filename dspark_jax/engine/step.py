@@ -40,23 +40,26 @@ def _models(target_graphdef, target_state, drafter_graphdef, drafter_state):
 
 def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State,
           drafter_graphdef: nnx.GraphDef | None, drafter_state: nnx.State | None, slots: Slots,
-          caches: Caches, admissions: Admissions, eos_ids: jax.Array, temperatures: jax.Array, *,
-          width: int) -> tuple[Slots, Caches, jax.Array]:
+          caches: Caches, admissions: Admissions, eos_ids: jax.Array, temperatures: jax.Array,
+          draft_vocab: jax.Array | None, *, width: int) -> tuple[Slots, Caches, jax.Array]:
     """:func:`decoding.round.prefill` of ``admissions`` (jit with ``width`` static)."""
     target, drafter = _models(target_graphdef, target_state, drafter_graphdef, drafter_state)
-    return prefill(target, drafter, slots, caches, admissions, eos_ids, temperatures, width=width)
+    return prefill(target, drafter, slots, caches, admissions, eos_ids, temperatures, draft_vocab,
+                   width=width)
 
 
 def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                drafter_graphdef: nnx.GraphDef | None, drafter_state: nnx.State | None,
                slots: Slots, caches: Caches, eos_ids: jax.Array, policy_params: dict,
-               limit: jax.Array, stop_on_finish: jax.Array, *, buckets: tuple[int, ...], policy,
-               view: int | None = None) -> tuple[Slots, Caches, RunSummary]:
+               draft_vocab: jax.Array | None, limit: jax.Array, stop_on_finish: jax.Array, *,
+               buckets: tuple[int, ...], policy, view: int | None = None
+               ) -> tuple[Slots, Caches, RunSummary]:
     """Up to ``limit`` rounds (jit with the keyword arguments static).
 
     Args:
       eos_ids: int32 [E]; policy_params: traced parameters of ``policy``
         (``scheduling.verification.default_params``, with the confidence temperatures [P]).
+      draft_vocab: int32 [V'] the drafter's draft vocabulary, or None (the whole vocabulary).
       limit: int32 most rounds to run; stop_on_finish: bool, stop after a round that ended a
         request.
       buckets: sorted flat token counts of the verify forward, the last one S * (P + 1).
@@ -85,7 +88,7 @@ def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                                                slots.active, policy_params)
         num_active = jnp.sum(slots.active.astype(jnp.int32))
         slots, caches, out = verify_round(target, drafter, slots, caches, proposal_len, eos_ids,
-                                          temps, buckets=buckets, view=view)
+                                          temps, draft_vocab, buckets=buckets, view=view)
         s = RunSummary(s.rounds + 1, s.verified_tokens + out.verified_tokens,
                        s.active_slot_rounds + num_active, s.bucket_counts.at[out.bucket].add(1))
         return slots, caches, s, ended | jnp.any(out.finished)

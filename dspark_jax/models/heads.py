@@ -8,6 +8,8 @@ teacher-forced training forward treat them alike:
   state, bias = head.step(state, prev, hidden)        # prev int [...], hidden [..., d]
                                                       # -> bias float32 [..., V]
 
+(``step(..., vocab_ids)`` gives the bias of a draft vocabulary's V' tokens only, [..., V'].)
+
 and every bias is linear in a rank-r latent: ``step`` is ``project(latent_step(...))`` with
 ``project(latent) = latent @ W2``, so training can treat the bias as one more linear map into
 the vocabulary beside the LM head (``block_latents``; training/losses.py).
@@ -54,10 +56,12 @@ class MarkovHead(nnx.Module):
         """int [...] -> W1[prev] [..., r]."""
         return self.markov_w1(prev)
 
-    def project(self, latent: jax.Array) -> jax.Array:
-        """[..., r] -> float32 bias [..., V]."""
-        return jnp.einsum("...r,rv->...v", latent, self.markov_w2.kernel[...],
-                          preferred_element_type=jnp.float32)
+    def project(self, latent: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
+        """[..., r] -> float32 bias [..., V], or [..., V'] for the tokens ``vocab_ids`` int [V']."""
+        kernel = self.markov_w2.kernel[...]
+        if vocab_ids is not None:
+            kernel = jnp.take(kernel, vocab_ids, axis=1)
+        return jnp.einsum("...r,rv->...v", latent, kernel, preferred_element_type=jnp.float32)
 
     def init_state(self, batch_shape: tuple[int, ...]) -> jax.Array:
         """The step carry before slot 0: [*batch_shape, 0] (this head is stateless)."""
@@ -68,10 +72,12 @@ class MarkovHead(nnx.Module):
         del hidden
         return state, self.prev_embedding(prev)
 
-    def step(self, state: jax.Array, prev: jax.Array, hidden: jax.Array):
-        """(state, prev int [...], hidden [..., d]) -> (state, float32 bias [..., V])."""
+    def step(self, state: jax.Array, prev: jax.Array, hidden: jax.Array,
+             vocab_ids: jax.Array | None = None):
+        """(state, prev int [...], hidden [..., d]) -> (state, float32 bias [..., V]); with
+        ``vocab_ids`` int [V'], the bias of those tokens [..., V']."""
         state, latent = self.latent_step(state, prev, hidden)
-        return state, self.project(latent)
+        return state, self.project(latent, vocab_ids)
 
 
 class GatedMarkovHead(MarkovHead):

@@ -164,6 +164,42 @@ def load_manifest(data_dir: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text())
 
 
+def answer_token_counts(data_dirs: Sequence[str | os.PathLike]) -> np.ndarray:
+    """int64 [V]: how often each token id is an answer (loss) token of the prepared folders
+    ``data_dirs`` (V from their manifests, which must agree).
+
+    Raises:
+      ValueError: a folder without a manifest, or folders of different vocabularies.
+    """
+    sizes = {}
+    for d in data_dirs:
+        manifest = load_manifest(d)
+        if manifest is None:
+            raise ValueError(f"{d}: no {MANIFEST} (not a prepared data folder)")
+        sizes[str(d)] = int(manifest["settings"]["vocab_size"])
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"data folders of different vocabularies: {sizes}")
+    counts = np.zeros(next(iter(sizes.values())), np.int64)
+    for d in data_dirs:
+        for entry in load_manifest(d)["files"]:
+            shard = read_shard(storage.as_path(d) / entry["file"])
+            counts += np.bincount(shard["tokens"][shard["loss_mask"] == 1], minlength=counts.size)
+    return counts
+
+
+def most_frequent(counts: np.ndarray, size: int) -> np.ndarray:
+    """int32 [size]: the ``size`` most frequent token ids of ``counts`` [V] (ties: lower id
+    first), in ascending order: a drafter's draft vocabulary.
+
+    Raises:
+      ValueError: ``size`` not in [1, V].
+    """
+    if not 1 <= size <= counts.size:
+        raise ValueError(f"a draft vocabulary of {size} tokens out of a vocabulary of {counts.size}")
+    order = np.lexsort((np.arange(counts.size), -counts))  # by count descending, then id
+    return np.sort(order[:size]).astype(np.int32)
+
+
 def _new_manifest(sources: list[dict], settings: dict) -> dict:
     return dict(format=FORMAT, sources=sources, settings=settings, prompts_done=0, files=[],
                 num_samples=0, num_tokens=0, num_loss_tokens=0,

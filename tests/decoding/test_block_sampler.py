@@ -144,3 +144,33 @@ def test_sample_draft_proposal_slots():
             drafter.model, target.model)
         assert out.tokens.shape == (2, count) and out.probs.shape == (2, count, 64)
         assert out.confidence.shape == (2, count)
+
+
+@pytest.mark.parametrize("kind", ["markov", "rnn", "none"])
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 0.9)])
+def test_a_draft_vocabulary_samples_the_law_restricted_to_it(kind, temperature, top_p):
+    """Over a draft vocabulary of V' tokens the sampler draws from the full sampler's law with
+    every other token's logit at -inf: the same tokens, and probability rows that are zero off
+    the V' (the head's bias taken at those tokens only)."""
+    head, conf = _heads(kind)
+    hidden, base, anchor = _inputs(3)
+    vocab = jnp.asarray([0, 2, 3, 5, 8, 11, 13, 17, 19, 23], jnp.int32)
+    anchor = vocab[anchor % vocab.size]
+    masked = jnp.full_like(base, -jnp.inf).at[..., vocab].set(base[..., vocab])
+    common = dict(head=head, confidence_head=conf, confidence_with_markov=head is not None,
+                  hidden=hidden, anchor_tokens=anchor, key=jax.random.key(4),
+                  temperature=temperature, top_p=top_p)
+    full = sample_block(base_logits=masked, **common)
+    restricted = sample_block(base_logits=base[..., vocab], draft_vocab=vocab, vocab_size=V,
+                              **common)
+    np.testing.assert_array_equal(restricted.tokens, full.tokens)
+    assert np.isin(np.asarray(restricted.tokens), np.asarray(vocab)).all()
+    assert restricted.probs.shape == (B, P, V)
+    np.testing.assert_allclose(restricted.probs, full.probs, atol=1e-6)
+    off = np.ones(V, bool)
+    off[np.asarray(vocab)] = False
+    assert not np.asarray(restricted.probs)[..., off].any()
+    if conf is not None:
+        np.testing.assert_allclose(restricted.confidence, full.confidence, rtol=1e-6)
+    with pytest.raises(ValueError, match="needs vocab_size"):
+        sample_block(base_logits=base[..., vocab], draft_vocab=vocab, **common)

@@ -54,6 +54,15 @@ def test_greedy_equals_autoregressive_for_every_policy_and_head(qwen3, ar_refere
     assert [r.token_ids for r in results] == ar_reference
 
 
+def test_greedy_with_a_draft_vocabulary_equals_autoregressive(qwen3, ar_reference):
+    """A drafter restricted to 16 of the 48 tokens (``Drafter.restrict_vocab``) drafts a
+    narrower law; greedy output is still the target's own."""
+    drafter = dspark_jax.init_drafter(qwen3, seed=2)
+    drafter.restrict_vocab(np.arange(0, 48, 3))
+    res = dspark_jax.generate(qwen3, PROMPTS, max_new_tokens=24, drafter=drafter)
+    assert [r.token_ids for r in res] == ar_reference
+
+
 @pytest.mark.slow  # the default run's engine tests use a Qwen3 target
 @pytest.mark.parametrize("config", [LLAMA, GEMMA3, GEMMA4],
                          ids=["llama", "gemma3", "gemma4"])
@@ -165,6 +174,18 @@ def test_output_law_is_the_target_law(law_models, verify, params, positions):
     chi2, dof, bound, verified = _law_chi2(target, drafter, 20000, verify, params, positions)
     assert chi2 < bound, (chi2, dof)
     assert verified > 0.3, verified  # drafts were verified
+
+
+@pytest.mark.slow  # chi-square over 20,000 sequences; CI runs -m slow
+def test_output_law_is_the_target_law_with_a_draft_vocabulary():
+    """A drafter that may propose 9 of the 16 tokens: drafts are verified, and the emitted
+    tokens still follow the target's law (the tokens it cannot propose come from the
+    correction)."""
+    target, drafter = law.law_models()
+    drafter.restrict_vocab([0, 1, 3, 4, 6, 9, 10, 12, 15])
+    chi2, dof, bound, verified = _law_chi2(target, drafter, 20000)
+    assert chi2 < bound, (chi2, dof)
+    assert verified > 0.3, verified
 
 
 @pytest.mark.slow  # a chi-square law test over many sequences
