@@ -123,8 +123,8 @@ def draft_step(target):
     """Jitted ``(drafter_graphdef, drafter_state, target_state, draft_cache, ctx_taps,
     ctx_positions, anchor, anchor_pos, key, temperature, top_p, top_k, draft_vocab=None) ->
     (BlockSample, draft_cache)``: the whole draft step of the engine (context into the draft
-    cache, the block's forward, the scan sampler; ``draft_vocab`` int32 [V'] or None, as in
-    ``block_sampler``); the graphdef is static, the cache donated."""
+    cache, the block's forward, the scan sampler; ``draft_vocab`` a ``block_sampler.DraftVocab``
+    or None); the graphdef is static, the cache donated."""
     import jax
     from flax import nnx
 

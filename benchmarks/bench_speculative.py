@@ -6,7 +6,7 @@ batch 1 and batch 8, and the ratio of that speedup to the ideal
 tau * t_ar_step / (t_draft + t_verify) measured in the same run (goal >= 0.9: the loop adds
 little)."
 
-    /work/venv/bin/python benchmarks/bench_speculative.py
+    python benchmarks/bench_speculative.py
 
 (options: --drafter PATH --batches 1 8 --temperature 0 --max-new-tokens 64 --repeats 15
 --warmup 1 --context-extra 32 --output benchmarks/results/speculative.json)
@@ -41,7 +41,8 @@ S = W + max_new_tokens + P + 1 cache slots, as in the engine), jitted, compiled,
   prompt_len + ``--context-extra`` + [0..P] per row through a KV cache of S slots (donated and
   threaded through the calls), returning the logits and the drafter's taps.
 * ``t_draft``: one ``DSparkModel.draft`` (P + 1 new context taps, draft cache of S slots) +
-  ``sample_draft`` (LM head + block sampler) for the same rows, at the run's temperature.
+  ``sample_draft`` (LM head + block sampler) for the same rows, at the run's temperature, over
+  the drafter's draft vocabulary when its folder has one (``draft_vocab.json``).
 
 The decode phase is the wall less the prefill (SPEC: less the first draft too):
 ``t_ar_step = AR decode / AR steps``, ``loop / round = SPEC decode / loop iterations``,
@@ -115,6 +116,7 @@ def main():
     sys.path.insert(0, str(ROOT))
     import dspark_jax
     from configs.dspark_smollm2_135m import get_config
+    from dspark_jax import engine as engine_lib
     from dspark_jax.decoding.sampling import SamplingParams
     from dspark_jax.drafter import init_drafter, load_drafter
     from dspark_jax.prompts import encode_prompts, prompt_bucket
@@ -145,6 +147,7 @@ def main():
     # -- isolated steps -------------------------------------------------------------------------
     verify = verify_step(target, taps_ids)
     draft = draft_step(target)
+    vocab = engine_lib.draft_vocab(target, drafter)  # None without a draft_vocab.json
     prefill = prefill_step(target, taps_ids)
 
     def random_cache(cache):
@@ -189,7 +192,7 @@ def main():
             sample, state["d_cache"] = draft(drafter.graphdef, drafter.state, target.state,
                                              state["d_cache"], ctx_taps, ctx_pos, anchor, apos,
                                              key, params.temperature, params.top_p,
-                                             params.top_k)
+                                             params.top_k, vocab)
             return sample
 
         def run_prefill():

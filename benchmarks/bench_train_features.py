@@ -4,7 +4,7 @@ Issue 5: "training throughput in tokens/s with online target features vs the sam
 from the cache (the ratio is the cost of online extraction), and peak memory of one train step
 as anchors per row grows 64, 128, 256, 512".
 
-    /work/venv/bin/python benchmarks/bench_train_features.py
+    python benchmarks/bench_train_features.py
 
 (options: --config configs/dspark_smollm2_135m.py --data /work/data/smollm2_math --steps 10
 --warmup 1 --pack-length 512 --batch-size 4 --anchors 64 128 256 512 --feature-dir DIR

@@ -89,7 +89,9 @@ class Drafter:
         c = self.config
         return (f"Drafter({c.num_layers} layers, block {c.block_size}, head={c.head} "
                 f"(rank {c.markov_rank}), confidence={c.confidence_head}, "
-                f"taps={list(c.target_layer_ids)})")
+                f"taps={list(c.target_layer_ids)}"
+                + ("" if self.draft_vocab is None else f", draft vocabulary {self.draft_vocab.size}")
+                + ")")
 
     @property
     def model(self) -> DSparkModel:

@@ -126,3 +126,52 @@ def test_missing_data_folder_is_one_line(smollm2, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"dspark-jax prepare-features: error: no manifest.json in {tmp_path}" in err
     assert "Traceback" not in err
+
+
+def _prepared_folder(path: Path, answers: list[list[int]], vocab_size: int = 40) -> None:
+    """A prepared data folder (training/data.py format) whose samples are a 2-token prompt
+    and the given answer tokens."""
+    from dspark_jax.training import data
+
+    path.mkdir(parents=True)
+    samples = [(i, np.asarray([1, 2] + a, np.int32), np.asarray([0, 0] + [1] * len(a), np.uint8))
+               for i, a in enumerate(answers)]
+    data.write_shard(path / "shard_00000.npz", samples)
+    data.write_manifest(path, dict(format=data.FORMAT, settings=dict(vocab_size=vocab_size),
+                                   files=[dict(file="shard_00000.npz")]))
+
+
+def test_draft_vocab_writes_the_most_frequent_answer_tokens(tmp_path, capsys):
+    """`draft-vocab` counts answer tokens only (the prompt tokens 1, 2 are the most frequent
+    overall), writes draft_vocab.json, and load_drafter restricts the drafter with it; a
+    saved drafter carries it; a corrupt file is a checkpoint error that names it."""
+    import dspark_jax
+
+    target = init_target(TINY, seed=5)
+    dspark_jax.init_drafter(target, seed=1, num_layers=1).save(tmp_path / "d")
+    _prepared_folder(tmp_path / "train", [[7, 7, 9, 30], [7, 9, 11], [30, 9, 3]])
+    _prepared_folder(tmp_path / "held", [[7, 9, 12, 13]])
+    assert cli.main(["draft-vocab", "--drafter", str(tmp_path / "d"), "--data",
+                     str(tmp_path / "train"), "--size", "3", "--heldout", str(tmp_path / "held")]) == 0
+    assert "cover 80.00% of the data's answer tokens, 50.00% of the held-out's" in capsys.readouterr().out
+    written = json.loads((tmp_path / "d" / "draft_vocab.json").read_text())
+    assert written["token_ids"] == [7, 9, 30] and written["source"]["distinct_tokens"] == 5
+    drafter = dspark_jax.load_drafter(tmp_path / "d", target)
+    np.testing.assert_array_equal(drafter.draft_vocab, [7, 9, 30])
+    assert "draft vocabulary 3" in repr(drafter)
+    drafter.save(tmp_path / "copy")
+    np.testing.assert_array_equal(dspark_jax.load_drafter(tmp_path / "copy", target).draft_vocab,
+                                  [7, 9, 30])
+
+    with pytest.raises(ValueError, match=r"must lie in \[0, 40\)"):
+        drafter.restrict_vocab([3, 40])
+    with pytest.raises(ValueError, match="must be distinct; repeated: \\[5\\]"):
+        drafter.restrict_vocab([5, 5, 6])
+    drafter.restrict_vocab(None)
+    assert drafter.draft_vocab is None
+    (tmp_path / "d" / "draft_vocab.json").write_text('{"token_ids": [1, 99]}')
+    with pytest.raises(CheckpointError, match="corrupt draft_vocab.json .* must lie in"):
+        dspark_jax.load_drafter(tmp_path / "d", target)
+    assert cli.main(["draft-vocab", "--drafter", str(tmp_path / "d"), "--data",
+                     str(tmp_path / "train"), "--size", "41"]) == 2
+    assert "a draft vocabulary of 41 tokens out of a vocabulary of 40" in capsys.readouterr().err

@@ -11,9 +11,10 @@ for the rejection sampler, together with the confidence logit of the slot.
 Temperature, top-p, top-k and the PRNG key are traced arrays: changing them never recompiles.
 Step k draws with ``sampling.fold_key(key, k)`` (one key, or a key per row).
 
-A draft vocabulary (``draft_vocab``: V' token ids, the most frequent of the training data; as
-FR-Spec and EAGLE-3 draft) restricts the drafter's LM head and the head's bias to those tokens,
-so the draft step reads V'/V of the vocabulary matrix. The draft law q is then the renormalised
+A draft vocabulary (:class:`DraftVocab`: V' token ids, the most frequent of the training data,
+as FR-Spec and EAGLE-3 draft, with the LM head rows and head columns of those tokens gathered
+once) restricts the drafter's LM head and the head's bias to those tokens, so the draft step
+reads V'/V of the vocabulary matrix. The draft law q is then the renormalised
 law over the V' tokens, zero elsewhere; rejection sampling is exact for any q, so the output
 law is unchanged (a target token outside the V' is only ever emitted by the correction).
 
@@ -31,6 +32,22 @@ from dspark_jax.decoding.sampling import fold_key, sample
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 
 
+class DraftVocab(NamedTuple):
+    """A draft vocabulary and the parameters of its tokens (:func:`gather_draft_vocab`)."""
+
+    ids: jax.Array  # int32 [V'] distinct token ids
+    lm_head_rows: jax.Array  # [V', d] the target's LM head rows of those tokens
+    bias_columns: jax.Array | None  # [r, V'] the sequential head's W2 columns (None: no head)
+
+
+def gather_draft_vocab(drafter, target, ids: jax.Array) -> DraftVocab:
+    """The :class:`DraftVocab` of token ``ids`` int [V'] for a ``DSparkModel`` and its target
+    ``Decoder`` (gather it once per set of parameters, not per draft step: the gather of V'
+    rows costs more than the matmul it saves)."""
+    head = drafter.markov_head
+    return DraftVocab(ids, target.lm_head_rows(ids), None if head is None else head.columns(ids))
+
+
 class BlockSample(NamedTuple):
     tokens: jax.Array  # int32 [b, P] drafted tokens
     probs: jax.Array  # float32 [b, P, V] the exact row q_k each token was sampled from
@@ -41,7 +58,7 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
                  confidence_with_markov: bool, hidden: jax.Array, base_logits: jax.Array,
                  anchor_tokens: jax.Array, key: jax.Array, temperature: jax.Array | float = 1.0,
                  top_p: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
-                 draft_vocab: jax.Array | None = None, vocab_size: int | None = None) -> BlockSample:
+                 draft_vocab: DraftVocab | None = None, vocab_size: int | None = None) -> BlockSample:
     """Samples one block of draft tokens.
 
     Args:
@@ -54,28 +71,29 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
       key: PRNG key, or a key per row [b] (``sampling.split_key``).
       temperature, top_p, top_k: scalars or [b] arrays (see ``sampling.sampling_probs``),
         applied to the V' logits under a draft vocabulary.
-      draft_vocab: int [V'] the draft vocabulary (distinct token ids), or None (all V).
+      draft_vocab: the draft vocabulary, or None (all V).
       vocab_size: V, the width of ``probs`` under a draft vocabulary.
 
     Returns:
       BlockSample(tokens [b, P], probs [b, P, V], confidence [b, P] or None); under a draft
-      vocabulary the tokens are among ``draft_vocab`` and probs is zero at every other token.
+      vocabulary the tokens are among ``draft_vocab.ids`` and probs is zero at every other token.
     """
     batch = anchor_tokens.shape[0]
     if draft_vocab is not None and vocab_size is None:
         raise ValueError("a draft vocabulary needs vocab_size, the width of the probability rows")
     state = (jnp.zeros((batch, 0), jnp.float32) if head is None else head.init_state((batch,)))
+    columns = None if draft_vocab is None else draft_vocab.bias_columns
 
     def step(carry, xs):
         state, prev = carry
         index, h, base = xs
         logits = base.astype(jnp.float32)
         if head is not None:
-            state, bias = head.step(state, prev, h, draft_vocab)
+            state, bias = head.step(state, prev, h, columns)
             logits = logits + bias
         tokens, probs = sample(fold_key(key, index), logits, temperature, top_p, top_k)
         if draft_vocab is not None:
-            tokens = draft_vocab[tokens]  # an index into the V' -> the token id
+            tokens = draft_vocab.ids[tokens]  # an index into the V' -> the token id
         if confidence_head is None:
             confidence = jnp.zeros((batch,), jnp.float32)
         else:
@@ -88,13 +106,13 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
         step, (state, anchor_tokens.astype(jnp.int32)), xs)
     probs = jnp.moveaxis(probs, 0, 1)  # [b, P, V or V']
     if draft_vocab is not None:
-        probs = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., draft_vocab].set(probs)
+        probs = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., draft_vocab.ids].set(probs)
     return BlockSample(tokens.T, probs, None if confidence_head is None else confidence.T)
 
 
 def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array, key: jax.Array,
                  temperature: jax.Array | float = 1.0, top_p: jax.Array | float = 1.0,
-                 top_k: jax.Array | int = 0, draft_vocab: jax.Array | None = None) -> BlockSample:
+                 top_k: jax.Array | int = 0, draft_vocab: DraftVocab | None = None) -> BlockSample:
     """Samples the proposals of blocks drafted by ``DSparkModel.draft``.
 
     Args:
@@ -107,7 +125,8 @@ def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array
     proposal = hidden[:, drafter.first_proposal_slot:]
     return sample_block(head=drafter.markov_head, confidence_head=drafter.confidence_head,
                         confidence_with_markov=drafter.config.confidence_head_with_markov,
-                        hidden=proposal, base_logits=target.logits(proposal, draft_vocab),
+                        hidden=proposal, base_logits=target.logits(
+                            proposal, None if draft_vocab is None else draft_vocab.lm_head_rows),
                         anchor_tokens=anchor_tokens, key=key, temperature=temperature,
                         top_p=top_p, top_k=top_k, draft_vocab=draft_vocab,
                         vocab_size=target.config.vocab_size)

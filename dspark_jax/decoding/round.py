@@ -39,7 +39,7 @@ from flax import struct
 
 from dspark_jax import sharding
 from dspark_jax.decoding import rejection
-from dspark_jax.decoding.block_sampler import block_confidences, sample_draft
+from dspark_jax.decoding.block_sampler import DraftVocab, block_confidences, sample_draft
 from dspark_jax.decoding.sampling import (GREEDY_TEMPERATURE, SamplingParams, argmax, is_eos,
                                           sample, sampling_probs, split_key)
 from dspark_jax.models.kv_cache import KVCache
@@ -232,7 +232,7 @@ def _draft(target, drafter, *, taps, positions, cache, anchor, anchor_pos, key,
 
 
 def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admissions,
-            eos_ids: jax.Array, temperatures: jax.Array, draft_vocab: jax.Array | None, *,
+            eos_ids: jax.Array, temperatures: jax.Array, draft_vocab: DraftVocab | None, *,
             width: int) -> tuple[Slots, Caches, jax.Array]:
     """Admits A requests: target K/V and taps of their prompts, first token, first draft.
 
@@ -242,7 +242,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     Args:
       target: the target ``Decoder``; drafter: its ``DSparkModel`` or None.
       temperatures: float32 [P] the drafter's STS temperatures (ones: uncalibrated).
-      draft_vocab: int32 [V'] the drafter's draft vocabulary, or None (the whole vocabulary).
+      draft_vocab: the drafter's ``block_sampler.DraftVocab``, or None (the whole vocabulary).
       width: W, the static prompt width of the admission grid (>= every prompt length).
 
     Returns:
@@ -294,7 +294,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
 
 
 def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: jax.Array,
-                 eos_ids: jax.Array, temperatures: jax.Array, draft_vocab: jax.Array | None, *,
+                 eos_ids: jax.Array, temperatures: jax.Array, draft_vocab: DraftVocab | None, *,
                  buckets: tuple[int, ...], view: int | None = None
                  ) -> tuple[Slots, Caches, RoundOutput]:
     """One verify + emit + draft round over every slot.
@@ -303,7 +303,7 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: ja
       target: the target ``Decoder``; drafter: its ``DSparkModel`` or None (autoregressive).
       proposal_len: int32 [S] drafts each slot verifies (0 for free slots; the scheduler's choice).
       temperatures: float32 [P] the drafter's STS temperatures.
-      draft_vocab: int32 [V'] the drafter's draft vocabulary, or None (the whole vocabulary).
+      draft_vocab: the drafter's ``block_sampler.DraftVocab``, or None (the whole vocabulary).
       buckets: static sorted flat token counts of the verify forward, the last one S * Q.
       view: static cache slots the verify attention reads (``ragged_forward``); every active
         slot's anchor_pos must be at most ``view`` (None: all).

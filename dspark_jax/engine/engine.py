@@ -32,7 +32,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from dspark_jax.decoding import block_sampler
 from dspark_jax.decoding import round as round_lib
 from dspark_jax.decoding.sampling import GREEDY_TEMPERATURE, SamplingParams
 from dspark_jax.engine import step as step_lib
@@ -194,6 +196,20 @@ def clear_compiled_programs() -> None:
     _PROGRAMS.clear()
 
 
+def draft_vocab(target, drafter) -> block_sampler.DraftVocab | None:
+    """The drafter's draft vocabulary (``Drafter.draft_vocab``) with its tokens' LM head rows
+    and head columns, gathered once (an engine does at creation, for all its programs); None
+    without a drafter or a draft vocabulary."""
+    if drafter is None or drafter.draft_vocab is None:
+        return None
+
+    def gather(target_state, drafter_state, ids):
+        return block_sampler.gather_draft_vocab(nnx.merge(drafter.graphdef, drafter_state),
+                                                nnx.merge(target.graphdef, target_state), ids)
+
+    return jax.jit(gather)(target.state, drafter.state, jnp.asarray(drafter.draft_vocab))
+
+
 def _shardings(state) -> tuple:
     return tuple(leaf.sharding for leaf in jax.tree.leaves(state))
 
@@ -239,7 +255,7 @@ class Engine:
                               if drafter is None or drafter.confidence_temperatures is None
                               else np.asarray(drafter.confidence_temperatures, np.float32))
         # Its draft vocabulary (``Drafter.draft_vocab``; None: the whole vocabulary), likewise.
-        self._draft_vocab = None if drafter is None else drafter.draft_vocab
+        self._draft_vocab = draft_vocab(target, drafter)
         self.buckets = token_buckets(slots, self.num_proposals, buckets)
         self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
         self._eos_set = frozenset(target.eos_token_ids or ())
@@ -334,7 +350,7 @@ class Engine:
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))
         return (self._structure_id, self.num_slots, self.max_len,
                 self._slots.trace.proposal_len.shape[1], self.eos_ids.shape[0],
-                None if self._draft_vocab is None else self._draft_vocab.shape[0])
+                None if self._draft_vocab is None else self._draft_vocab.ids.shape[0])
 
     def _program(self, key, fn, args, static):
         program, seconds = _PROGRAMS.get(self._structure() + key, fn, args, static)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.decoding.block_sampler import DraftVocab
 from dspark_jax.decoding.round import Admissions, Caches, Slots, prefill, verify_round
 from dspark_jax.scheduling.verification import policy_proposal_len
 
@@ -41,7 +42,7 @@ def _models(target_graphdef, target_state, drafter_graphdef, drafter_state):
 def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State,
           drafter_graphdef: nnx.GraphDef | None, drafter_state: nnx.State | None, slots: Slots,
           caches: Caches, admissions: Admissions, eos_ids: jax.Array, temperatures: jax.Array,
-          draft_vocab: jax.Array | None, *, width: int) -> tuple[Slots, Caches, jax.Array]:
+          draft_vocab: DraftVocab | None, *, width: int) -> tuple[Slots, Caches, jax.Array]:
     """:func:`decoding.round.prefill` of ``admissions`` (jit with ``width`` static)."""
     target, drafter = _models(target_graphdef, target_state, drafter_graphdef, drafter_state)
     return prefill(target, drafter, slots, caches, admissions, eos_ids, temperatures, draft_vocab,
@@ -51,7 +52,7 @@ def admit(target_graphdef: nnx.GraphDef, target_state: nnx.State,
 def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
                drafter_graphdef: nnx.GraphDef | None, drafter_state: nnx.State | None,
                slots: Slots, caches: Caches, eos_ids: jax.Array, policy_params: dict,
-               draft_vocab: jax.Array | None, limit: jax.Array, stop_on_finish: jax.Array, *,
+               draft_vocab: DraftVocab | None, limit: jax.Array, stop_on_finish: jax.Array, *,
                buckets: tuple[int, ...], policy, view: int | None = None
                ) -> tuple[Slots, Caches, RunSummary]:
     """Up to ``limit`` rounds (jit with the keyword arguments static).
@@ -59,7 +60,7 @@ def run_rounds(target_graphdef: nnx.GraphDef, target_state: nnx.State,
     Args:
       eos_ids: int32 [E]; policy_params: traced parameters of ``policy``
         (``scheduling.verification.default_params``, with the confidence temperatures [P]).
-      draft_vocab: int32 [V'] the drafter's draft vocabulary, or None (the whole vocabulary).
+      draft_vocab: the drafter's ``block_sampler.DraftVocab``, or None (the whole vocabulary).
       limit: int32 most rounds to run; stop_on_finish: bool, stop after a round that ended a
         request.
       buckets: sorted flat token counts of the verify forward, the last one S * (P + 1).

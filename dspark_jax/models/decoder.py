@@ -233,14 +233,23 @@ class Decoder(nnx.Module):
         """The LM head [d, V] (the transposed embedding when tied)."""
         return self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
 
-    def logits(self, hidden: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
+    def lm_head_rows(self, vocab_ids: jax.Array) -> jax.Array:
+        """The LM head's rows of the tokens ``vocab_ids`` int [V'] -> [V', d] (embedding rows
+        when tied), for :meth:`logits` over those tokens only."""
+        if self.lm_head is None:
+            return jnp.take(self.embed_tokens.embedding[...], vocab_ids, axis=0)
+        return jnp.take(self.lm_head[...], vocab_ids, axis=1).T
+
+    def logits(self, hidden: jax.Array, head_rows: jax.Array | None = None) -> jax.Array:
         """Final-normed hidden [..., d] -> float32 logits [..., V] (``hidden @ lm_head_matrix()``,
-        soft-capped by ``final_logit_softcapping`` when the config sets it); with ``vocab_ids``
-        int [V'], only those tokens' logits [..., V'] (a drafter's draft vocabulary)."""
-        head = self.lm_head_matrix()
-        if vocab_ids is not None:
-            head = jnp.take(head, vocab_ids, axis=1)
-        logits = jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        soft-capped by ``final_logit_softcapping`` when the config sets it); with ``head_rows``
+        (:meth:`lm_head_rows` of V' tokens), only those tokens' logits [..., V']."""
+        if head_rows is None:
+            logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head_matrix(),
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("...d,vd->...v", hidden, head_rows,
+                                preferred_element_type=jnp.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -8,7 +8,8 @@ teacher-forced training forward treat them alike:
   state, bias = head.step(state, prev, hidden)        # prev int [...], hidden [..., d]
                                                       # -> bias float32 [..., V]
 
-(``step(..., vocab_ids)`` gives the bias of a draft vocabulary's V' tokens only, [..., V'].)
+(``step(..., columns=head.columns(vocab_ids))`` gives the bias of a draft vocabulary's V'
+tokens only, [..., V'].)
 
 and every bias is linear in a rank-r latent: ``step`` is ``project(latent_step(...))`` with
 ``project(latent) = latent @ W2``, so training can treat the bias as one more linear map into
@@ -56,11 +57,13 @@ class MarkovHead(nnx.Module):
         """int [...] -> W1[prev] [..., r]."""
         return self.markov_w1(prev)
 
-    def project(self, latent: jax.Array, vocab_ids: jax.Array | None = None) -> jax.Array:
-        """[..., r] -> float32 bias [..., V], or [..., V'] for the tokens ``vocab_ids`` int [V']."""
-        kernel = self.markov_w2.kernel[...]
-        if vocab_ids is not None:
-            kernel = jnp.take(kernel, vocab_ids, axis=1)
+    def columns(self, vocab_ids: jax.Array) -> jax.Array:
+        """W2's columns of the tokens ``vocab_ids`` int [V'] -> [r, V'] (for :meth:`project`)."""
+        return jnp.take(self.markov_w2.kernel[...], vocab_ids, axis=1)
+
+    def project(self, latent: jax.Array, columns: jax.Array | None = None) -> jax.Array:
+        """[..., r] -> float32 bias [..., V], or [..., V'] with ``columns`` = ``columns(ids)``."""
+        kernel = self.markov_w2.kernel[...] if columns is None else columns
         return jnp.einsum("...r,rv->...v", latent, kernel, preferred_element_type=jnp.float32)
 
     def init_state(self, batch_shape: tuple[int, ...]) -> jax.Array:
@@ -73,11 +76,11 @@ class MarkovHead(nnx.Module):
         return state, self.prev_embedding(prev)
 
     def step(self, state: jax.Array, prev: jax.Array, hidden: jax.Array,
-             vocab_ids: jax.Array | None = None):
+             columns: jax.Array | None = None):
         """(state, prev int [...], hidden [..., d]) -> (state, float32 bias [..., V]); with
-        ``vocab_ids`` int [V'], the bias of those tokens [..., V']."""
+        ``columns`` (:meth:`columns` of V' tokens), the bias of those tokens [..., V']."""
         state, latent = self.latent_step(state, prev, hidden)
-        return state, self.project(latent, vocab_ids)
+        return state, self.project(latent, columns)
 
 
 class GatedMarkovHead(MarkovHead):

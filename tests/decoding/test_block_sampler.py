@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import dspark_jax
-from dspark_jax.decoding.block_sampler import sample_block, sample_draft
+from dspark_jax.decoding.block_sampler import DraftVocab, sample_block, sample_draft
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.models.heads import ConfidenceHead, RNNHead, make_head
 from dspark_jax.target import init_target
@@ -161,8 +161,9 @@ def test_a_draft_vocabulary_samples_the_law_restricted_to_it(kind, temperature, 
                   hidden=hidden, anchor_tokens=anchor, key=jax.random.key(4),
                   temperature=temperature, top_p=top_p)
     full = sample_block(base_logits=masked, **common)
-    restricted = sample_block(base_logits=base[..., vocab], draft_vocab=vocab, vocab_size=V,
-                              **common)
+    draft_vocab = DraftVocab(vocab, None, None if head is None else head.columns(vocab))
+    restricted = sample_block(base_logits=base[..., vocab], draft_vocab=draft_vocab,
+                              vocab_size=V, **common)
     np.testing.assert_array_equal(restricted.tokens, full.tokens)
     assert np.isin(np.asarray(restricted.tokens), np.asarray(vocab)).all()
     assert restricted.probs.shape == (B, P, V)
@@ -173,4 +174,4 @@ def test_a_draft_vocabulary_samples_the_law_restricted_to_it(kind, temperature, 
     if conf is not None:
         np.testing.assert_allclose(restricted.confidence, full.confidence, rtol=1e-6)
     with pytest.raises(ValueError, match="needs vocab_size"):
-        sample_block(base_logits=base[..., vocab], draft_vocab=vocab, **common)
+        sample_block(base_logits=base[..., vocab], draft_vocab=draft_vocab, **common)
