@@ -37,6 +37,8 @@ from dspark_jax.target import Target
 
 # The recorded settings that name the models a result came from ({role}_sha256 of params_sha256).
 IDENTITY_KEYS = {"drafter": "drafter_sha256", "target": "target_sha256"}
+# Recorded only for a drafter with a draft vocabulary: "<V'>:<sha256 of its ids, 12 digits>".
+DRAFT_VOCAB_KEY = "draft_vocab"
 
 
 def plan_batches(lengths: Sequence[int], batch_size: int,
@@ -99,6 +101,9 @@ def changed_models(recorded: Mapping, identity: Mapping[str, str]) -> str | None
     changed = [f"the {role} changed (parameters sha256 {str(recorded.get(key))[:12]} -> "
                f"{identity[key][:12]})" for role, key in IDENTITY_KEYS.items()
                if recorded.get(key) != identity[key]]
+    if recorded.get(DRAFT_VOCAB_KEY) != identity.get(DRAFT_VOCAB_KEY):
+        changed.append(f"the draft vocabulary changed ({recorded.get(DRAFT_VOCAB_KEY) or 'none'} "
+                       f"-> {identity.get(DRAFT_VOCAB_KEY) or 'none'})")
     return " and ".join(changed) or None
 
 
@@ -176,6 +181,9 @@ def evaluate(target: Target, drafters: Mapping[str, Drafter], benches: Sequence[
         folder.mkdir(parents=True, exist_ok=True)
         identity = {IDENTITY_KEYS["drafter"]: params_sha256(drafter.state),
                     IDENTITY_KEYS["target"]: target_sha256}
+        if drafter.draft_vocab is not None:
+            ids = np.asarray(drafter.draft_vocab, np.int32)
+            identity[DRAFT_VOCAB_KEY] = f"{ids.size}:{hashlib.sha256(ids.tobytes()).hexdigest()[:12]}"
         settings = dict(decode_settings, **identity)  # a finished benchmark with these is reused
         for bench in benches:
             path = folder / f"{bench}.json"

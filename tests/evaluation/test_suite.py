@@ -179,11 +179,19 @@ def test_resume_redoes_results_of_another_drafter_or_target(pair, tmp_path, monk
     again, message = run(target, retrained)  # the same drafter: reused, nothing printed
     assert len(runs) == 2 and again == redone and message == ""
 
+    retrained.restrict_vocab(np.arange(0, CONFIG["vocab_size"], 2))  # the same parameters
+    _, message = run(target, retrained)
+    assert len(runs) == 3 and "the draft vocabulary changed (none -> " in message
+    assert "drafter changed" not in message
+    retrained.restrict_vocab(None)
+    _, message = run(target, retrained)
+    assert len(runs) == 4 and "the draft vocabulary changed (" in message and "-> none)" in message
+
     other_target = init_target(CONFIG, seed=4)
     rebound = Drafter(retrained.config, retrained.model_config, retrained.state,
                       retrained.graphdef, other_target)
     _, message = run(other_target, rebound)
-    assert len(runs) == 3 and "the target changed" in message and "drafter changed" not in message
+    assert len(runs) == 5 and "the target changed" in message and "drafter changed" not in message
 
     path = out / "dspark" / "gsm8k.json"
     done = json.loads(path.read_text())
@@ -191,7 +199,7 @@ def test_resume_redoes_results_of_another_drafter_or_target(pair, tmp_path, monk
         del done["settings"][key]  # a result written before results were keyed by the models
     path.write_text(json.dumps(done))
     _, message = run(other_target, rebound)
-    assert len(runs) == 4 and "'dspark' on 'gsm8k'" in message
+    assert len(runs) == 6 and "'dspark' on 'gsm8k'" in message
     assert "records no drafter/target identity" in message
 
 
