@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--data", nargs="+", required=True, help="prepared training folders")
     parser.add_argument("--heldout", nargs="+", default=[], help="prepared held-out folders")
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8],
+                        help="none: the acceptance part only")
     parser.add_argument("--context", type=int, default=256, help="cached tokens per row")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prompts", type=int, default=10, help="per set")
