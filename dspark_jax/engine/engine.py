@@ -12,10 +12,14 @@ Compiled programs are shared by every engine of the process (:func:`compiled_pro
 run of rounds per verification policy (and SPS table length; its verify forward is a
 ``lax.switch`` over the token buckets) and one admission per (admitted rows, prompt width,
 flat tokens) bucket; sampling settings, policy parameters and the SPS table's values are
-traced, so changing them never recompiles. The process keeps the :data:`MAX_PROGRAMS` most
-recently used ones: XLA:CPU loads each kernel of a program as its own memory mappings (about
-1,000 for a speculative run of rounds on SmolLM2), and a process that compiled programs without
-bound would reach Linux's limit of 65,530 mappings and crash in the next compile. Under ``jax.set_mesh`` (with the models loaded
+traced, so changing them never recompiles. The process keeps at most :data:`MAX_PROGRAMS`,
+the most recently used, and fewer when they take too many memory mappings: XLA:CPU loads each
+kernel of a program as its own mappings (1,000-2,000 for a speculative run of rounds on
+SmolLM2), and a process past Linux's limit (``vm.max_map_count``, 65,530 by default) crashes in
+its next compile, as an evaluation of two drafters over nine prompt sets once did. Before each
+compile the least recently used programs are dropped, with JAX's own caches (which keep every
+executable compiled in the process), until the process holds at most :data:`MAPPING_SHARE` of
+the limit. Under ``jax.set_mesh`` (with the models loaded
 under the same mesh) the engine runs data parallel over slots and tensor parallel over heads:
 cache rows are sharded over the data axes, kv heads over the tensor axis, and the small slot
 state is replicated.
@@ -48,6 +52,8 @@ from dspark_jax.scheduling import verification
 MAX_ROUNDS_PER_CALL = 1 << 20
 # Compiled programs kept per process (least recently used dropped first); see the module doc.
 MAX_PROGRAMS = 32
+# Share of the process's memory-mapping limit above which compiling drops old programs first.
+MAPPING_SHARE = 0.6
 # The narrowest cache view of a run of rounds (cache_view).
 MIN_VIEW = 128
 
@@ -157,7 +163,11 @@ class _Programs:
         start = time.perf_counter()
         lowered = self._lowered.pop(key, None) or self._lower(fn, args, static)
         while len(self._cache) >= self.capacity:
-            self._cache.popitem(last=False)  # its executable is freed with the last reference
+            self._cache.popitem(last=False)
+        budget = mapping_budget()
+        while self._cache and budget is not None and memory_mappings() > budget:
+            self._cache.popitem(last=False)
+            jax.clear_caches()  # JAX's own caches keep a dropped executable (and its mappings)
         self._cache[key] = lowered.compile()
         return self._cache[key], time.perf_counter() - start
 
@@ -177,6 +187,25 @@ class _Programs:
         self._lowered.clear()
         self._fingerprints.clear()
         jax.clear_caches()
+
+
+def memory_mappings() -> int | None:
+    """The memory mappings this process holds now (Linux's /proc/self/maps), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def mapping_budget() -> int | None:
+    """:data:`MAPPING_SHARE` of this process's mapping limit (``vm.max_map_count``), or None
+    where the system has no such limit to read (then only :data:`MAX_PROGRAMS` bounds)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(MAPPING_SHARE * int(limit.read()))
+    except (OSError, ValueError):
+        return None
 
 
 _PROGRAMS = _Programs(MAX_PROGRAMS)

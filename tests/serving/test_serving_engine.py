@@ -196,6 +196,33 @@ def test_the_process_keeps_only_the_most_recently_used_programs(qwen3, monkeypat
     assert run(short) == (first, False)  # kept now
 
 
+def test_programs_are_dropped_before_the_process_runs_out_of_memory_mappings(qwen3, monkeypatch):
+    """Compiling drops the least recently used programs while the process holds more memory
+    mappings than its budget (a share of Linux's vm.max_map_count), however few programs it
+    keeps: an evaluation of two drafters over nine sets crashed. Dropping frees the programs'
+    mappings (JAX's caches let go of them too)."""
+    assert engine_module.mapping_budget() > 10_000 and engine_module.memory_mappings() > 0
+    engine_lib.clear_compiled_programs()
+    engine = Engine(qwen3, None, slots=1, max_len=64)
+
+    def run(prompt):
+        request = engine.submit(prompt, max_new_tokens=3)
+        engine.run()
+        return request.tokens
+
+    first = run([5, 9, 11])
+    assert len(engine_lib.compiled_programs()) == 2  # the admission (width 16) and the rounds
+    held = engine_module.memory_mappings()
+    monkeypatch.setattr(engine_module, "mapping_budget", lambda: held - 100)  # over budget now
+    run(list(range(4, 24)))  # a width-32 admission to compile: the width-16 one goes first
+    widths = [key[key.index("admit") + 2] for key in engine_module._PROGRAMS._cache
+              if "admit" in key]  # (.., "admit", rows, width, flat tokens)
+    assert widths == [32], widths
+    assert engine_module.memory_mappings() < held  # what was dropped is freed
+    monkeypatch.setattr(engine_module, "mapping_budget", lambda: None)
+    assert run([5, 9, 11]) == first
+
+
 def test_cache_views_are_powers_of_two_within_the_cache():
     assert [engine_module.cache_view(n, 736) for n in (1, 128, 129, 256, 300, 513, 736)] == [
         128, 128, 256, 256, 512, 736, 736]
