@@ -7,11 +7,12 @@ by ``load_drafter``, so every policy reads c_k = sigmoid(z_k / T_k).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from dspark_jax.checkpoints.folder_json import read_json_file, write_json_file
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -35,11 +36,6 @@ class Calibration(NamedTuple):
     fit: dict
 
 
-def _calibration_path(path) -> Path:
-    path = Path(path)
-    return path / CALIBRATION_FILE if path.is_dir() else path
-
-
 def calibration_text(temperatures, fit: dict | None = None) -> str:
     """The contents of ``calibration.json`` for temperatures ``[P]`` and a fit record."""
     payload = {"confidence_temperatures": check_temperatures(temperatures).tolist(),
@@ -55,14 +51,7 @@ def save_calibration(folder, temperatures, fit: dict | None = None) -> Path:
       temperatures: float ``[P]``, finite and positive.
       fit: JSON-serialisable record of the fit (e.g. from :func:`calibrate`).
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder {folder}")
-    path = folder / CALIBRATION_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(calibration_text(temperatures, fit))
-    os.replace(tmp, path)
-    return path
+    return write_json_file(folder, CALIBRATION_FILE, calibration_text(temperatures, fit))
 
 
 def load_calibration(path) -> Calibration:
@@ -72,12 +61,6 @@ def load_calibration(path) -> Calibration:
       FileNotFoundError: no calibration file.
       ValueError: malformed file or invalid temperatures.
     """
-    path = _calibration_path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no {CALIBRATION_FILE} at {path}")
-    try:
-        payload = json.loads(path.read_text())
-        temperatures = payload["confidence_temperatures"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a calibration file: {err!r}") from err
-    return Calibration(check_temperatures(temperatures), dict(payload.get("fit") or {}))
+    _, payload = read_json_file(path, CALIBRATION_FILE, "confidence_temperatures", "calibration")
+    return Calibration(check_temperatures(payload["confidence_temperatures"]),
+                       dict(payload.get("fit") or {}))

@@ -8,11 +8,12 @@ LM head and sequential-head bias over those V' tokens only (``decoding.block_sam
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+from dspark_jax.checkpoints.folder_json import read_json_file, write_json_file
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -54,14 +55,7 @@ def save_draft_vocab(folder, token_ids, source: dict | None = None) -> Path:
       FileNotFoundError: ``folder`` is not a directory.
       ValueError: invalid token ids.
     """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no checkpoint folder {folder}")
-    path = folder / DRAFT_VOCAB_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(draft_vocab_text(token_ids, source))
-    os.replace(tmp, path)
-    return path
+    return write_json_file(folder, DRAFT_VOCAB_FILE, draft_vocab_text(token_ids, source))
 
 
 def load_draft_vocab(path, vocab_size: int | None = None) -> DraftVocab:
@@ -71,17 +65,9 @@ def load_draft_vocab(path, vocab_size: int | None = None) -> DraftVocab:
       FileNotFoundError: no such file.
       ValueError: malformed file or invalid ids (out of ``[0, vocab_size)``, repeated).
     """
-    path = Path(path)
-    path = path / DRAFT_VOCAB_FILE if path.is_dir() else path
-    if not path.is_file():
-        raise FileNotFoundError(f"no {DRAFT_VOCAB_FILE} at {path}")
+    path, payload = read_json_file(path, DRAFT_VOCAB_FILE, "token_ids", "draft vocabulary")
     try:
-        payload = json.loads(path.read_text())
-        token_ids = payload["token_ids"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a draft vocabulary file: {err!r}") from err
-    try:
-        ids = check_draft_vocab(token_ids, vocab_size)
+        ids = check_draft_vocab(payload["token_ids"], vocab_size)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
     return DraftVocab(ids, dict(payload.get("source") or {}))
