@@ -171,17 +171,16 @@ def answer_token_counts(data_dirs: Sequence[str | os.PathLike]) -> np.ndarray:
     Raises:
       ValueError: a folder without a manifest, or folders of different vocabularies.
     """
-    sizes = {}
-    for d in data_dirs:
-        manifest = load_manifest(d)
+    manifests = {str(d): load_manifest(d) for d in data_dirs}
+    for d, manifest in manifests.items():
         if manifest is None:
             raise ValueError(f"{d}: no {MANIFEST} (not a prepared data folder)")
-        sizes[str(d)] = int(manifest["settings"]["vocab_size"])
+    sizes = {d: int(m["settings"]["vocab_size"]) for d, m in manifests.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(f"data folders of different vocabularies: {sizes}")
     counts = np.zeros(next(iter(sizes.values())), np.int64)
-    for d in data_dirs:
-        for entry in load_manifest(d)["files"]:
+    for d, manifest in manifests.items():
+        for entry in manifest["files"]:
             shard = read_shard(storage.as_path(d) / entry["file"])
             counts += np.bincount(shard["tokens"][shard["loss_mask"] == 1], minlength=counts.size)
     return counts
