@@ -271,7 +271,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, cache: KVCache | None = None,
                  key_valid: jax.Array | None = None, mask: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, attention: str | None = None,
+                 segment_ids: jax.Array | None = None, max_segments: int | None = None,
+                 attention: str | None = None,
                  cache_attention: str | None = None, tap_layer_ids: tuple[int, ...] = (),
                  write_cache: bool = True) -> DecoderOutput:
         """Runs the decoder on ``tokens`` at ``positions``.
@@ -288,6 +289,8 @@ class Decoder(nnx.Module):
           segment_ids: int [B, T], instead of ``mask`` without a cache: packed rows, each token
             attending causally within its segment (0: padding), through the fused kernel
             ``attention`` (``fused_attention.IMPLEMENTATIONS``; None: the backend's).
+          max_segments: static, with ``segment_ids``: a bound on a row's segments, laid out as
+            the pipeline packs them (``fused_attention.attend_segments``; None: no bound).
           cache_attention: with a cache, the kernel over it (``fused_attention.attend_cache``;
             None: the backend's).
           tap_layer_ids: static ids of layers whose raw outputs to return (-1: embeddings).
@@ -345,7 +348,8 @@ class Decoder(nnx.Module):
             k_new, v_new = attn.keys_values(x, cos_l, sin_l)
             if segment_ids is not None:
                 attended = attend_segments(q, k_new, v_new, segment_ids, scale=attn.scale,
-                                           window=window_l, implementation=attention)
+                                           window=window_l, implementation=attention,
+                                           max_segments=max_segments)
             elif k_cache is None:
                 attended = attend(q, k_new, v_new, mask_l, scale=attn.scale)
             else:

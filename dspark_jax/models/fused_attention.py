@@ -7,11 +7,16 @@ drafter's training forward attends over its context and its own block
 
 * TPU, ``"splash"``: splash attention (Pallas; block-sparse, so key blocks above the diagonal or
   outside the window are skipped) with segment ids, one multi-query kernel per kv head;
-* GPU, ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's flash
-  attention, causal with a left window and the segments as a mask (which cuDNN reads as a
-  bias), where cuDNN takes the inputs (:func:`cudnn_applies`: bfloat16 / float16, a head dim
-  that is a multiple of 8 up to 128, even lengths); other inputs take the einsum (JAX's own
-  ``implementation=None`` means XLA's, which stores the scores, so it is never passed);
+* GPU, ``"cudnn"``: cuDNN's flash attention, causal with a left window, where cuDNN takes the
+  inputs (:func:`cudnn_applies`: bfloat16 / float16, a head dim that is a multiple of 8 up to
+  128, even lengths); other inputs take the einsum. The segments reach cuDNN as lengths, not as
+  a mask (which cuDNN would read as a dense [B, 1, T, T] bias) where the caller bounds them
+  (``max_segments``): one segment per row (a prefill, a feature-cache row) as
+  ``jax.nn.dot_product_attention``'s sequence lengths; several (packed training rows) as
+  cuDNN's packed layout, each segment's start and length (:func:`packed_segments`), through
+  JAX's cuDNN module, whose ``dot_product_attention`` takes them (``jax.nn``'s does not). Without
+  a bound, the dense mask. (JAX's own ``implementation=None`` means XLA's, which stores the
+  scores, so it is never passed);
 * CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
 
 Decode and verify steps attend over the KV cache (:func:`attend_cache`). On a single GPU,
@@ -87,7 +92,8 @@ def _same_segment(segment_ids: jax.Array) -> jax.Array:
 
 def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                     scale: float | None = None, window: int | None = None,
-                    implementation: str | None = None) -> jax.Array:
+                    implementation: str | None = None,
+                    max_segments: int | None = None) -> jax.Array:
     """Causal attention within segments.
 
     Args:
@@ -96,6 +102,11 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
       scale: the scores' scale (None: D ** -0.5).
       window: a query sees only the keys of its last ``window`` positions (None: all).
       implementation: one of ``IMPLEMENTATIONS`` (None: :func:`default_implementation`).
+      max_segments: static; None, or a bound on the segments of a row when they are laid out
+        as the pipeline packs them: numbered 1, 2, ... from column 0, each contiguous, padding
+        (0) only after the last. "xla" and "cudnn" then take the segments as lengths instead of
+        a dense mask (module docstring); segments beyond the bound would be left out (their
+        outputs zeros), so the bound must hold.
 
     Returns:
       [B, T, H, D] in q's dtype (at real positions the same for every implementation, to
@@ -108,13 +119,59 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     if impl == "einsum":
         return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
     if impl in ("xla", "cudnn"):
-        return jax.nn.dot_product_attention(
-            q, k, v, mask=_same_segment(segment_ids)[:, None], scale=scale, is_causal=True,
-            local_window_size=None if window is None else (window - 1, 0), implementation=impl)
+        left = None if window is None else (window - 1, 0)
+        if max_segments == 1:  # a row's tokens come first: its length is the whole mask
+            lengths = jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
+            out = jax.nn.dot_product_attention(
+                q, k, v, scale=scale, is_causal=True, query_seq_lengths=lengths,
+                key_value_seq_lengths=lengths, local_window_size=left, implementation=impl)
+        elif impl == "cudnn" and max_segments is not None:
+            out = _cudnn_packed(q, k, v, segment_ids, max_segments, scale, window)
+        else:
+            return jax.nn.dot_product_attention(
+                q, k, v, mask=_same_segment(segment_ids)[:, None], scale=scale, is_causal=True,
+                local_window_size=left, implementation=impl)
+        # Padding queries see no key; what a kernel leaves there is not defined: zeros.
+        return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
     if impl == "splash":
         return _splash(q, k, v, segment_ids, scale, window)
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
+
+
+def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Packed rows' segments as starts and lengths, the layout cuDNN's packed attention reads.
+
+    Args:
+      segment_ids: int [B, T], numbered 1, 2, ... from column 0, each contiguous; 0 padding.
+      max_segments: M, static; a row's segments beyond M are left out.
+
+    Returns:
+      (starts int32 [B, M + 1], lengths int32 [B, M]): segment m + 1 of row b covers columns
+      starts[b, m] .. starts[b, m] + lengths[b, m] - 1; -1 where a row has fewer segments, and
+      in the last start column (cuDNN's convention).
+    """
+    ids = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)
+    member = segment_ids[:, None, :] == ids[None, :, None]  # [B, M, T]
+    lengths = jnp.sum(member, axis=-1, dtype=jnp.int32)
+    starts = jnp.argmax(member, axis=-1).astype(jnp.int32)
+    present = lengths > 0
+    starts = jnp.where(present, starts, -1)
+    starts = jnp.concatenate([starts, jnp.full((starts.shape[0], 1), -1, jnp.int32)], axis=1)
+    return starts, jnp.where(present, lengths, -1)
+
+
+def _cudnn_packed(q, k, v, segment_ids, max_segments: int, scale: float,
+                  window: int | None) -> jax.Array:
+    """:func:`attend_segments` through cuDNN's packed layout: each segment its own causal
+    sequence at its start (JAX's cuDNN module; ``jax.nn.dot_product_attention`` does not take
+    segment starts). Off-segment outputs are not written: the caller masks them."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    starts, lengths = packed_segments(segment_ids, max_segments)
+    return cudnn.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=starts, kv_offsets=starts,
+        scale=scale, mask_type=cudnn.MaskType.PADDING_CAUSAL, sliding_window_length=window)
 
 
 def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_mask: jax.Array,

@@ -126,7 +126,7 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
                                transposed_keys=cache.transposed_keys, implementation=cache_attention)
         elif fused:  # a prefill: each row one segment of its tokens
             out = attend_segments(q_grid, k_grid, v_grid, row_tokens, scale=attn.scale,
-                                  window=window_l, implementation=impl)
+                                  window=window_l, implementation=impl, max_segments=1)
         else:  # a prefill: no history, long rows attended in query chunks
             out = attend(q_grid, k_grid, v_grid, causal_l, scale=attn.scale)
         out = out.reshape(q.shape) if dense else out[safe_rows, cols]

@@ -147,7 +147,8 @@ def _feature_fn(target: Target, tap_layer_ids: tuple[int, ...], dtype):
         model = nnx.merge(target.graphdef, state)
         positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         taps, hidden = target_features(model, dict(input_ids=input_ids, positions=positions,
-                                                   segment_ids=segment_ids), tap_layer_ids)
+                                                   segment_ids=segment_ids), tap_layer_ids,
+                                       max_segments=1)
         return jnp.concatenate([taps, hidden], axis=-1).astype(dtype)
 
     return jax.jit(features)

@@ -49,15 +49,20 @@ class TrainState(NamedTuple):
 
 
 def target_features(target: Decoder, batch: dict, tap_layer_ids: tuple[int, ...],
-                    attention: str | None = None):
+                    attention: str | None = None, max_segments: int | None = None):
     """The frozen target's features of packed rows (no gradient), attended within their
     segments by ``attention`` (``fused_attention.IMPLEMENTATIONS``; None: the backend's).
+    ``max_segments`` bounds a row's segments (``Decoder.__call__``); None: the batch's anchor
+    slots when it has them (every sequence the pipeline packs holds an anchor).
 
     Returns:
       (taps [b, L, m*d] raw outputs of ``tap_layer_ids``, hidden [b, L, d] final-normed).
     """
+    if max_segments is None and "anchors" in batch:
+        max_segments = batch["anchors"].shape[-1]
     out = target(batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
-                 attention=attention, tap_layer_ids=tuple(tap_layer_ids))
+                 max_segments=max_segments, attention=attention,
+                 tap_layer_ids=tuple(tap_layer_ids))
     return jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.hidden)
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import run_on_cpu_devices
 from dspark_jax.models import fused_attention
+from dspark_jax.models.layers import attend
 from dspark_jax.target import init_target
 
 FUSED = ("xla", "splash")
@@ -45,6 +46,35 @@ def test_kernels_equal_the_einsum_reference(implementation, window):
     real = np.asarray(segments) != 0
     assert np.abs(np.asarray(ref)[real]).max() > 0.1
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_one_segment_per_row_reaches_the_kernel_as_lengths(window):
+    """``max_segments=1`` (a prefill, a feature-cache row): jax.nn.dot_product_attention's
+    sequence lengths instead of a mask; padding outputs are zeros."""
+    rng = np.random.default_rng(5)
+    b, t, h, kv, d = 3, 64, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.float32) for n in (h, kv, kv))
+    segments = jnp.asarray(np.arange(t)[None] < np.array([[64], [37], [1]]), jnp.int32)
+    ref = fused_attention.attend_segments(q, k, v, segments, scale=0.2, window=window,
+                                          implementation="einsum")
+    out = jax.jit(lambda *a: fused_attention.attend_segments(
+        *a, scale=0.2, window=window, implementation="xla", max_segments=1))(q, k, v, segments)
+    real = np.asarray(segments) != 0
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-5)
+    assert np.all(np.asarray(out)[~real] == 0)
+
+
+def test_packed_segments_are_starts_and_lengths():
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0],
+                            [1, 1, 1, 1, 1, 1, 1, 1],
+                            [0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    starts, lengths = fused_attention.packed_segments(segments, 3)
+    np.testing.assert_array_equal(starts, [[0, 3, 5, -1], [0, -1, -1, -1], [-1, -1, -1, -1]])
+    np.testing.assert_array_equal(lengths, [[3, 2, 1], [8, -1, -1], [-1, -1, -1]])
+    starts, lengths = fused_attention.packed_segments(segments, 2)  # segment 3 left out
+    np.testing.assert_array_equal(starts[0], [0, 3, -1])
+    np.testing.assert_array_equal(lengths[0], [3, 2])
 
 
 GEMMA4 = dict(architectures=["Gemma4ForCausalLM"], vocab_size=64, hidden_size=32,
@@ -177,6 +207,10 @@ def test_the_cudnn_route_asks_for_cudnn_and_falls_back_to_the_einsum(monkeypatch
         real_rows = np.asarray(segments) != 0
         np.testing.assert_allclose(np.asarray(out, np.float32)[real_rows],
                                    np.asarray(ref, np.float32)[real_rows], atol=3e-2)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 64, h, 16)), jnp.bfloat16) for h in (4, 2, 2))
+    calls.clear()
+    fused_attention.attend_segments(q, k, v, segments, implementation="cudnn", max_segments=1)
+    assert calls == ["cudnn"]
     for dtype, expected in [(jnp.bfloat16, ["cudnn"]), (jnp.float32, [])]:
         args, block, _ = _draft_block_args(np.random.default_rng(1), dtype)
         calls.clear()
@@ -186,6 +220,45 @@ def test_the_cudnn_route_asks_for_cudnn_and_falls_back_to_the_einsum(monkeypatch
         ref = fused_attention.attend_draft_blocks(*wide, block_size=block, implementation="einsum")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                    atol=3e-2)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_packed_rows_reach_cudnn_as_segment_starts_and_lengths(monkeypatch, window):
+    """Several segments per row (``max_segments`` > 1): cuDNN's packed layout, each segment a
+    causal sequence at its start, and no mask. cuDNN's function is replaced here by an
+    attention that reads only what cuDNN reads (starts, lengths, mask type, window)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    calls = []
+
+    def packed_reference(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale,
+                         mask_type, sliding_window_length):
+        calls.append(mask_type)
+        assert mask_type == cudnn.MaskType.PADDING_CAUSAL
+        assert sliding_window_length == window
+        assert q_offsets is kv_offsets and q_seqlen is kv_seqlen
+        column = jnp.arange(q.shape[1])
+        starts, lengths = q_offsets[:, :-1, None], q_seqlen[:, :, None]  # [B, M, 1]
+        inside = (column >= starts) & (column < starts + lengths) & (lengths > 0)  # [B, M, T]
+        same = jnp.einsum("bmt,bms->bts", inside.astype(jnp.int32), inside.astype(jnp.int32)) > 0
+        visible = same & (column[None, :] <= column[:, None])
+        if sliding_window_length is not None:
+            visible &= column[None, :] > column[:, None] - sliding_window_length
+        return attend(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                      visible, scale=scale).astype(q.dtype)
+
+    monkeypatch.setattr(cudnn, "dot_product_attention", packed_reference)
+    rng = np.random.default_rng(6)
+    segments = _segments(rng, 2, 64)  # four segments per row and padding
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 64, h, 16)), jnp.bfloat16) for h in (4, 2, 2))
+    out = fused_attention.attend_segments(q, k, v, segments, scale=0.3, window=window,
+                                          implementation="cudnn", max_segments=4)
+    assert len(calls) == 1
+    ref = fused_attention.attend_segments(*(x.astype(jnp.float32) for x in (q, k, v)), segments,
+                                          scale=0.3, window=window, implementation="einsum")
+    real = np.asarray(segments) != 0
+    np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(ref)[real], atol=2e-2)
+    assert np.all(np.asarray(out, np.float32)[~real] == 0)
 
 
 @pytest.mark.slow  # the attention equalities above run by default
