@@ -7,6 +7,12 @@ of the jitted loop is reported separately.
     python benchmarks/bench_ar_generate.py --max-new-tokens 96 --batches 1 8 --repeats 5
     python benchmarks/bench_ar_generate.py --prompt-set train-math --batches 32 \
         --modes greedy sampled --repeats 2
+    python benchmarks/bench_ar_generate.py --layer-weights stacked unstacked --batches 1 8
+
+``--layer-weights`` times dspark-jax once per layout of the target's layer weights in the
+decode programs (``Target.inference_state``: "stacked" slices each layer out of [L, ...]
+arrays, which XLA:CPU copies; "unstacked" reads per-layer arrays in place), all alternating
+with transformers in one run, and checks that every layout decodes the same tokens.
 
 Prompts: ``eval`` takes the first user turns of gsm8k and mt-bench (../shared/data/eval),
 ``train-math`` those of the math training prompts (../shared/data/train), as data regeneration
@@ -70,8 +76,11 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layer-weights", nargs="+", choices=["stacked", "unstacked"],
+                        help="layouts of the target's layer weights to time (default: the backend's)")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "ar_generate.json")
     args = parser.parse_args()
+    layouts = args.layer_weights or [None]
 
     import jax
     import torch
@@ -104,32 +113,41 @@ def main():
         for mode in args.modes:
             settings = SAMPLING[mode]
             hf_settings = (dict(do_sample=True, **settings) if settings else dict(do_sample=False))
+            def ours_once(layout, seed):
+                return dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens,
+                                           seed=seed, layer_weights=layout, **settings)
+
             # dspark-jax: the first call compiles (timed separately), then timed runs.
-            first = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens, **settings)
-            compile_s = first[0].stats["compile_s"]
-            ours, theirs = [], []
+            compile_s = {layout: ours_once(layout, 0)[0].stats["compile_s"] for layout in layouts}
+            ours, tokens, theirs = {layout: [] for layout in layouts}, {}, []
             with torch.no_grad():
                 hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=4, pad_token_id=pad,
                                   **hf_settings)
-                for repeat in range(args.repeats):  # the two alternate: both see the same machine
-                    res = dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens,
-                                              seed=repeat, **settings)
-                    ours.append(res[0].stats["tokens_per_s"])
+                for repeat in range(args.repeats):  # all alternate: they see the same machine
+                    for layout in layouts:
+                        res = ours_once(layout, repeat)
+                        ours[layout].append(res[0].stats["tokens_per_s"])
+                        tokens.setdefault(repeat, []).append([r.token_ids for r in res])
                     torch.manual_seed(repeat)
                     start = time.perf_counter()
                     out = hf_model.generate(input_ids, attention_mask=mask, pad_token_id=pad,
                                             max_new_tokens=args.max_new_tokens, **hf_settings)
                     wall = time.perf_counter() - start
                     theirs.append(count_new_tokens(out[:, width:].numpy(), eos) / wall)
-            row = dict(batch=batch, mode=mode, dspark_tokens_per_s=statistics.median(ours),
-                       hf_tokens_per_s=statistics.median(theirs), compile_s=compile_s)
-            row["ratio"] = row["dspark_tokens_per_s"] / row["hf_tokens_per_s"]
-            if batch == 1 and mode == "greedy":
-                row["fraction_of_roofline"] = row["dspark_tokens_per_s"] / roofline
-            rows.append(row)
-            print(f"batch {batch} {mode}: dspark-jax {row['dspark_tokens_per_s']:.1f} tok/s, "
-                  f"transformers {row['hf_tokens_per_s']:.1f} tok/s, ratio {row['ratio']:.2f}x, "
-                  f"compile {compile_s:.1f} s", flush=True)
+            layouts_agree = all(all(t == runs[0] for t in runs) for runs in tokens.values())
+            for layout in layouts:
+                row = dict(batch=batch, mode=mode, layer_weights=layout or "default",
+                           dspark_tokens_per_s=statistics.median(ours[layout]),
+                           hf_tokens_per_s=statistics.median(theirs), compile_s=compile_s[layout],
+                           layouts_decode_the_same_tokens=layouts_agree)
+                row["ratio"] = row["dspark_tokens_per_s"] / row["hf_tokens_per_s"]
+                if batch == 1 and mode == "greedy":
+                    row["fraction_of_roofline"] = row["dspark_tokens_per_s"] / roofline
+                rows.append(row)
+                print(f"batch {batch} {mode} ({row['layer_weights']}): dspark-jax "
+                      f"{row['dspark_tokens_per_s']:.1f} tok/s, transformers {row['hf_tokens_per_s']:.1f} "
+                      f"tok/s, ratio {row['ratio']:.2f}x, compile {compile_s[layout]:.1f} s"
+                      + ("" if layouts_agree else ", LAYOUTS DECODED DIFFERENT TOKENS"), flush=True)
 
     report = dict(benchmark="ar_generate", model=args.model, max_new_tokens=args.max_new_tokens,
                   repeats=args.repeats, prompt_set=args.prompt_set, sampling=SAMPLING,

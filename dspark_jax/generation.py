@@ -36,7 +36,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              drafter=None, verify="full", verify_params: dict | None = None,
              buckets: Sequence[int] | None = None, record: bool = False,
-             max_batch: int | None = None, progress=None) -> list[GenerationResult]:
+             max_batch: int | None = None, progress=None,
+             layer_weights: str | None = None) -> list[GenerationResult]:
     """Generates continuations of prompts.
 
     Args:
@@ -59,6 +60,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
       max_batch: rows decoded together (default: every prompt at once); further prompts join
         as rows finish (continuous batching).
       progress: called with the number of prompts that finished after each engine call.
+      layer_weights: how the programs read the target's layer weights, "stacked" or
+        "unstacked" (``Target.inference_state``; None: the backend's choice).
 
     Returns:
       One GenerationResult per prompt, in order. ``stats`` holds new_tokens, prompt_tokens,
@@ -80,7 +83,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     max_len = -(-needed // CACHE_STEP) * CACHE_STEP  # nearby max_new_tokens share programs
     engine = Engine(target, drafter, slots=rows, max_len=max_len, policy=verify,
                     policy_params=verify_params, buckets=buckets, seed=seed,
-                    record_rounds=max_new_tokens if record and drafter is not None else 0)
+                    record_rounds=max_new_tokens if record and drafter is not None else 0,
+                    layer_weights=layer_weights)
     requests = [engine.submit(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k) for ids in encoded]
     start = time.perf_counter()

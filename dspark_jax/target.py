@@ -22,6 +22,7 @@ from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints.gguf import GGUFFile, write_gguf
 from dspark_jax.model_config import (layer_groups, model_config_from_hf, model_config_to_hf,
                                      text_model_hf)
+from dspark_jax.models import layer_weights
 from dspark_jax.models.decoder import Decoder
 from dspark_jax import sharding, storage
 
@@ -62,6 +63,7 @@ class Target:
         self.hf_config = dict(hf_config or model_config_to_hf(config))
         self.name = name
         self._logits_fn = jax.jit(self._logits_impl)
+        self._inference_states = (None, {})  # (the state they were made from, {layout: state})
 
     def __repr__(self):
         c = self.config
@@ -72,6 +74,22 @@ class Target:
     def dtype(self):
         """Parameter dtype."""
         return self.state["embed_tokens"]["embedding"].get_value().dtype
+
+    def inference_state(self, layout: str | None = None) -> nnx.State:
+        """The state that decoding programs take: the layer stacks' weight matrices held one
+        array per layer (``layer_weights``, layout "unstacked": XLA:CPU's layer scan then reads
+        them in place instead of copying them each step, at the cost of one more copy of them in
+        memory) or as :attr:`state` ("stacked"); None: ``layer_weights.default_layout``. Made
+        once per :attr:`state` and layout."""
+        layout = layout or layer_weights.default_layout(self.state)
+        source, made = self._inference_states
+        if source is not self.state:
+            source, made = self.state, {}
+            self._inference_states = (source, made)
+        if layout not in made:
+            names = tuple(n for n in ("layers", "global_layers") if n in self.state)
+            made[layout] = layer_weights.with_layout(self.state, names, layout)
+        return made[layout]
 
     @property
     def model(self) -> Decoder:

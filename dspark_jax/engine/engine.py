@@ -267,16 +267,19 @@ class Engine:
       buckets: flat token counts of the verify forward (default :func:`token_buckets`).
       seed: PRNG seed of the sampling.
       record_rounds: R, rounds of each request to record (``Request.trace``; 0: none).
+      layer_weights: how the programs read the target's layer weights, "stacked" or "unstacked"
+        (``Target.inference_state``; None: the backend's choice, unstacked on one CPU device).
     """
 
     def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",
                  policy_params: dict | None = None, buckets: Sequence[int] | None = None,
-                 seed: int = 0, record_rounds: int = 0):
+                 seed: int = 0, record_rounds: int = 0, layer_weights: str | None = None):
         if drafter is not None and drafter.target is not target:
             raise ValueError("the drafter was built for another target object")
         if slots < 1 or max_len < 2:
             raise ValueError(f"need slots >= 1 and max_len >= 2, got {slots} and {max_len}")
         self.target, self.drafter = target, drafter
+        self._target_state = target.inference_state(layer_weights)
         self.num_slots, self.max_len = slots, max_len
         self.num_proposals = 0 if drafter is None else drafter.num_proposals
         # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.
@@ -365,7 +368,7 @@ class Engine:
 
     def _models(self):
         d = self.drafter
-        return (self.target.graphdef, self.target.state, None if d is None else d.graphdef,
+        return (self.target.graphdef, self._target_state, None if d is None else d.graphdef,
                 None if d is None else d.state)
 
     def _structure(self) -> tuple:
@@ -373,7 +376,7 @@ class Engine:
         model structures, dtypes and parameter shardings, and the state's shapes."""
         if self._structure_id is None:
             t, d = self.target, self.drafter
-            models = (t.graphdef, str(t.dtype), _shardings(t.state))
+            models = (t.graphdef, str(t.dtype), _shardings(self._target_state))
             if d is not None:
                 models += (d.graphdef, str(d.dtype), _shardings(d.state))
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))

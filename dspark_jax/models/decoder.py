@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, SLIDING, attention_dims, layer_groups
+from dspark_jax.models import layer_weights
 from dspark_jax.models.fused_attention import attend_cache, attend_segments
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend,
@@ -165,8 +166,8 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
 
         def step(carry, xs):
             entry, index, is_sliding = xs
-            state, k_cache, v_cache = jax.tree.map(
-                lambda x: jax.lax.dynamic_index_in_dim(x, entry, keepdims=False), stack)
+            state, k_cache, v_cache = jax.tree.map(lambda x: layer_weights.layer(x, entry), stack,
+                                                   is_leaf=layer_weights.is_unstacked)
             layer_inputs = inputs if sliding is None else pick(is_sliding, *inputs)
             return body(nnx.merge(graphdef, state), index, layer_inputs, k_cache, v_cache, carry)
 

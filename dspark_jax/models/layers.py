@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, attention_dims
+from dspark_jax.models.layer_weights import LayerKernel
 
 INIT_STD = 0.02
 
@@ -82,7 +83,11 @@ class Linear(nnx.Module):
         self.bias = _param(None, (d_out,), dtype, names[1:], init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, LayerKernel):  # one layer of per-layer arrays, read in place
+            y = kernel.einsum("...i,io->...o", x)
+        else:
+            y = jnp.einsum("...i,io->...o", x, kernel)
         return y if self.bias is None else y + self.bias[...]
 
 

@@ -1,0 +1,121 @@
+"""Layer weight matrices held one array per layer, which a layer scan's matmuls read in place.
+
+A ``lax.scan`` over stacked layers slices each layer's weights out of the [L, in, out] arrays
+for its matmuls, and XLA:CPU's dot cannot read a dynamic slice in place: every decode step
+copies all the weight matrices once before multiplying by them (BENCHMARKS.md, issue 19: 38 ms
+of a 60 ms batch-1 SmolLM2 step on one of this project's machines). Held as L arrays, a layer's
+matmul is a ``lax.switch`` over L branches, branch j multiplying by array j, which XLA hands to
+the dot as it is. Only the matmuls sit in the branches: the layer body is still traced and
+compiled once, unlike an unrolled layer loop.
+
+The engine's target on a single CPU device reads its weights this way
+(:func:`default_layout`); training, meshes and accelerators keep the stacked arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYOUTS = ("stacked", "unstacked")
+
+
+@jax.tree_util.register_pytree_node_class
+class Unstacked:
+    """One stacked weight [L, ...] held as L arrays [...] (the leaves of this pytree)."""
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+
+    def tree_flatten(self):
+        return self.layers, None
+
+    @classmethod
+    def tree_unflatten(cls, _, layers):
+        return cls(layers)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.layers),) + tuple(self.layers[0].shape)
+
+    @property
+    def dtype(self):
+        return self.layers[0].dtype
+
+    def at(self, index: jax.Array) -> "LayerKernel":
+        """Layer ``index`` (traced int []) of the weight, for its matmuls."""
+        return LayerKernel(self.layers, index)
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerKernel:
+    """One layer's weight inside a layer scan: the L arrays and the layer's traced index,
+    used only through :meth:`einsum` (there is no array to read without copying it)."""
+
+    def __init__(self, layers, index):
+        self.layers, self.index = tuple(layers), index
+
+    def tree_flatten(self):
+        return (self.layers, self.index), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @property
+    def dtype(self):
+        return self.layers[0].dtype
+
+    def einsum(self, spec: str, x: jax.Array) -> jax.Array:
+        """``jnp.einsum(spec, x, weight)`` of this layer's weight, read in place."""
+        branches = [functools.partial(_einsum_with, spec, j) for j in range(len(self.layers))]
+        return jax.lax.switch(self.index, branches, x, self.layers)
+
+
+def _einsum_with(spec: str, j: int, x: jax.Array, layers: tuple) -> jax.Array:
+    return jnp.einsum(spec, x, layers[j])
+
+
+def is_unstacked(x) -> bool:
+    return isinstance(x, Unstacked)
+
+
+def layer(x, index: jax.Array):
+    """A stacked leaf's layer ``index`` inside a layer scan: a :class:`LayerKernel` of an
+    :class:`Unstacked` weight, a dynamic slice of an array (a copy on XLA:CPU)."""
+    if isinstance(x, Unstacked):
+        return x.at(index)
+    return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
+
+
+def default_layout(state: nnx.State) -> str:
+    """"unstacked" where the scan's slices are copies that cost (XLA:CPU) and the weights sit
+    whole on one device, "stacked" otherwise (accelerators, meshes)."""
+    leaves = jax.tree.leaves(state)
+    one_device = all(len(getattr(x, "sharding", None).device_set) == 1 for x in leaves
+                     if getattr(x, "sharding", None) is not None)
+    return "unstacked" if jax.default_backend() == "cpu" and one_device else "stacked"
+
+
+def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> nnx.State:
+    """``state`` with the matrices [L, in, out] under ``stack_names`` (a decoder's layer
+    stacks) held as :class:`Unstacked` for ``layout`` "unstacked", unchanged for "stacked".
+    The arrays are new buffers (one copy of the weights, made once); the rest is shared."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layer weight layout {layout!r}; known: {LAYOUTS}")
+    if layout == "stacked":
+        return state
+
+    def split(path, variable):
+        value = variable.get_value()
+        if (path[0] in stack_names and path[-1] == "kernel" and not isinstance(value, Unstacked)
+                and value.ndim == 3):
+            return variable.replace(Unstacked(value[i] for i in range(value.shape[0])))
+        return variable
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, v: split(tuple(getattr(k, "key", k) for k in path), v), state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,126 @@
+"""Layer weights held one array per layer (``models.layer_weights``): the decoder computes exactly
+what it computes over the stacked arrays, XLA:CPU's program no longer copies the weight
+matrices out of the stacks, and the engine decodes the same tokens in both layouts."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax
+from dspark_jax.models import layer_weights
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.ragged import ragged_forward
+from dspark_jax.target import init_target
+
+from test_ragged import GEMMA3, GEMMA4, QWEN3
+
+CONFIGS = pytest.mark.parametrize("config", [QWEN3, GEMMA3, GEMMA4], ids=["qwen3", "gemma3", "gemma4"])
+
+
+def _cached_forward(graphdef, state, tokens):
+    """A prefill of ``tokens`` [B, T] into a cache, then two more tokens through it."""
+    model = nnx.merge(graphdef, state)
+    rows, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width), (rows, width))
+    cache = KVCache.for_model(model.config, rows, 16, jnp.float32, True)
+    first = model(tokens, positions, cache=cache, tap_layer_ids=(-1, 1))
+    second = model(tokens[:, :2], positions[:, :2] + width, cache=first.cache)
+    return first.hidden, first.taps, second.hidden, second.cache.k, second.cache.v
+
+
+@CONFIGS
+def test_unstacked_weights_compute_exactly_what_the_stacks_compute(config):
+    target = init_target(config, seed=3)
+    unstacked = target.inference_state("unstacked")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 6)))
+    forward = jax.jit(_cached_forward, static_argnums=0)
+    want = forward(target.graphdef, target.state, tokens)
+    got = forward(target.graphdef, unstacked, tokens)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The flat (ragged) forward of the engine's rounds too.
+    cache = KVCache.for_model(target.config, 2, 16, jnp.float32, True)
+    args = (tokens.reshape(-1), jnp.tile(jnp.arange(6), 2), jnp.repeat(jnp.arange(2), 6),
+            jnp.tile(jnp.arange(6), 2), jnp.zeros((2,), jnp.int32), cache)
+    ragged = jax.jit(lambda g, s, *a: ragged_forward(nnx.merge(g, s), *a, width=6), static_argnums=0)
+    np.testing.assert_array_equal(ragged(target.graphdef, unstacked, *args).hidden,
+                                  ragged(target.graphdef, target.state, *args).hidden)
+
+
+@CONFIGS
+def test_only_the_layer_stacks_matrices_are_unstacked(config):
+    target = init_target(config, seed=3)
+    unstacked = target.inference_state("unstacked")
+    assert target.inference_state("unstacked") is unstacked  # made once per state
+    assert target.inference_state("stacked") is target.state
+    flat = dict(nnx.to_flat_state(unstacked))
+    split = {path for path, v in flat.items() if isinstance(v.get_value(), layer_weights.Unstacked)}
+    stacks = [n for n in ("layers", "global_layers") if n in target.state]
+    kernels = {path for path, v in dict(nnx.to_flat_state(target.state)).items()
+               if path[0] in stacks and path[-1] == "kernel"}
+    assert split == kernels and split
+    for path in split:
+        whole = dict(nnx.to_flat_state(target.state))[path].get_value()
+        parts = flat[path].get_value()
+        assert parts.shape == whole.shape and len(parts.layers) == whole.shape[0]
+    # Everything else (embedding, norms, biases) is the same array, not a copy.
+    for path, v in dict(nnx.to_flat_state(target.state)).items():
+        if path not in split:
+            assert flat[path].get_value() is v.get_value()
+    with pytest.raises(ValueError, match="unknown layer weight layout 'rows'"):
+        target.inference_state("rows")
+
+
+def _weight_slices(target, layout) -> int:
+    """Dynamic slices in the optimised decode program whose shape is a layer's weight matrix."""
+    compiled = jax.jit(_cached_forward, static_argnums=0).lower(
+        target.graphdef, target.inference_state(layout), jnp.zeros((1, 4), jnp.int32)).compile()
+    shapes = {f"f32[{','.join(map(str, kernel.shape[1:]))}]"
+              for path, kernel in nnx.to_flat_state(target.state)
+              if path[0] == "layers" and path[-1] == "kernel"}
+    # A dynamic-slice op, or a fusion named for one, of a weight matrix's shape.
+    ops = re.findall(r"%[\w.-]*dynamic-slice[\w.-]* = (f32\[[0-9,]+\])|= (f32\[[0-9,]+\])\{[^}]*\} "
+                     r"dynamic-slice\(", compiled.as_text())
+    return sum(a in shapes or b in shapes for a, b in ops)
+
+
+def test_the_cpu_program_reads_per_layer_weights_without_slicing_them():
+    target = init_target(QWEN3, seed=3)
+    assert _weight_slices(target, "stacked") > 0  # XLA:CPU copies each layer's slice
+    assert _weight_slices(target, "unstacked") == 0
+
+
+MESH_SCRIPT = """
+import json, jax, numpy as np
+from dspark_jax.models import layer_weights
+from dspark_jax.target import init_target
+target = init_target(dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32,
+                          intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8), seed=3)
+mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+replicated = jax.device_put(target.state, jax.sharding.NamedSharding(mesh, jax.P()))
+print("REPORT " + json.dumps({"one": layer_weights.default_layout(target.state),
+                              "two": layer_weights.default_layout(replicated)}))
+"""
+
+
+def test_the_default_layout_is_unstacked_on_one_cpu_device_and_stacked_over_several():
+    from conftest import run_on_cpu_devices
+
+    report = run_on_cpu_devices(["-c", MESH_SCRIPT], devices=2)
+    assert report == {"one": "unstacked", "two": "stacked"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_engine_decodes_the_same_tokens_in_both_layouts(temperature):
+    target = init_target(dict(QWEN3, eos_token_id=3), seed=1)
+    prompts = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42], [17]]
+    runs = {layout: [r.token_ids for r in dspark_jax.generate(
+        target, prompts, max_new_tokens=12, temperature=temperature, seed=4, layer_weights=layout)]
+        for layout in layer_weights.LAYOUTS}
+    assert runs["stacked"] == runs["unstacked"]
+    assert any(len(t) > 1 for t in runs["stacked"])
