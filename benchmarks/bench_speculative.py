@@ -106,6 +106,9 @@ def main():
     parser.add_argument("--engine-repeats", type=int, default=3,
                         help="AR / SPEC generate calls per prompt group, alternated (median)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layer-weights", choices=["stacked", "unstacked"],
+                        help="layout of the target's layer weights in every program "
+                             "(Target.inference_state; default: the engine's for the batch)")
     parser.add_argument("--output", type=Path,
                         default=ROOT / "benchmarks" / "results" / "speculative.json")
     args = parser.parse_args()
@@ -121,6 +124,7 @@ def main():
     from dspark_jax.drafter import init_drafter, load_drafter
     from dspark_jax.prompts import encode_prompts, prompt_bucket
     from dspark_jax.models.kv_cache import KVCache
+    from dspark_jax.models.layer_weights import default_layout
 
     started = time.perf_counter()
     load_start = list(os.getloadavg())
@@ -182,21 +186,22 @@ def main():
         apos = jnp.asarray(anchor_pos, jnp.int32)
         params = SamplingParams.broadcast(b, args.temperature, 1.0, 0)
         key = jax.random.key(args.seed)
+        t_state = target.inference_state(args.layer_weights or default_layout(target.state, b))
 
         def run_verify():
-            logits, taps, state["t_cache"] = verify(target.state, state["t_cache"], tokens,
+            logits, taps, state["t_cache"] = verify(t_state, state["t_cache"], tokens,
                                                     positions)
             return logits, taps
 
         def run_draft():
-            sample, state["d_cache"] = draft(drafter.graphdef, drafter.state, target.state,
+            sample, state["d_cache"] = draft(drafter.graphdef, drafter.state, t_state,
                                              state["d_cache"], ctx_taps, ctx_pos, anchor, apos,
                                              key, params.temperature, params.top_p,
                                              params.top_k, vocab)
             return sample
 
         def run_prefill():
-            logits, taps, state["p_cache"] = prefill(target.state, state["p_cache"],
+            logits, taps, state["p_cache"] = prefill(t_state, state["p_cache"],
                                                      prompt_tokens, prompt_lens)
             return logits, taps
 
@@ -223,7 +228,8 @@ def main():
     warmed = set()
 
     def run_generate(ids, spec: bool):
-        kwargs = dict(max_new_tokens=n_max, temperature=args.temperature, seed=args.seed)
+        kwargs = dict(max_new_tokens=n_max, temperature=args.temperature, seed=args.seed,
+                      layer_weights=args.layer_weights)
         if spec:
             kwargs.update(drafter=drafter, verify="full")
         key = (spec, len(ids), prompt_bucket(max(len(p) for p in ids)))
@@ -358,7 +364,7 @@ def main():
         proposals=proposals, verify="full", temperature=args.temperature,
         max_new_tokens=n_max, batches=args.batches, warmup=args.warmup, repeats=args.repeats,
         engine_repeats=args.engine_repeats,
-        context_extra=args.context_extra, seed=args.seed,
+        context_extra=args.context_extra, seed=args.seed, layer_weights=args.layer_weights or "default",
         machine=f"{platform.machine()} {cpu_name()}", cpus=os.cpu_count(),
         load_average_start=load_start, load_average_end=list(os.getloadavg()),
         jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command_line(__file__),

@@ -11,8 +11,11 @@ of ``batch`` rows carried through them 16 times in one jitted loop. Variants:
 - ``bfloat16-dot``: bfloat16 weights and activations, float32 accumulation
   (``preferred_element_type``), as an AVX-512 BF16 path would run;
 
-each with the layers as a ``lax.scan`` over stacked [30, ...] weights (the engine's loop, which
-copies each layer's slice before its matmul) and as an unrolled loop over per-layer arrays.
+each with the layers as a ``lax.scan`` over stacked [30, ...] weights (``scan``: the engine's
+loop over large batches, which copies each layer's slice before its matmul), as an unrolled
+loop over per-layer arrays (``unrolled``), and as a scan whose matmuls read per-layer arrays in
+place through a ``lax.switch`` over the layers (``switch``: ``models/layer_weights.py``, the
+engine's loop for a few rows on a CPU).
 ``--forms`` writes the float32 matmul other ways (a verify of k tokens is a batch of k rows,
 and XLA:CPU's small-M matmuls set its cost): ``rows`` one matrix-vector product per row,
 ``columns`` two matmuls over the halves of the output columns (independent, so XLA:CPU may run
@@ -20,6 +23,7 @@ them on both cores), ``reduce`` a broadcast multiply and sum that XLA fuses into
 The machine's read bandwidth (a jitted sum over 1 GiB) is measured in the same run.
 
     python benchmarks/layer_matmuls.py --batches 1 8
+    python benchmarks/layer_matmuls.py --batches 1 2 4 8 --variants float32 --loops scan switch
     python benchmarks/layer_matmuls.py --batches 8 --variants float32 --forms dot rows columns reduce
     XLA_FLAGS=--xla_cpu_use_onednn=true python benchmarks/layer_matmuls.py --batches 1 8 \
         --variants float32 --output benchmarks/results/layer_matmuls_onednn.json
@@ -38,6 +42,7 @@ from _common import ROOT, cpu_name, read_bandwidth
 LAYERS, HIDDEN, MLP = 30, 576, 1536
 VARIANTS = ("float32", "bfloat16-upcast", "bfloat16-dot")
 FORMS = ("dot", "rows", "columns", "reduce")
+LOOPS = ("scan", "unrolled", "switch")
 STEPS = 16
 
 
@@ -53,17 +58,23 @@ def layer_weights(dtype, seed: int = 0) -> dict:
             for name, shape in shapes.items()}
 
 
-def step_seconds(variant: str, unrolled: bool, batch: int, repeats: int,
+def step_seconds(variant: str, loop: str, batch: int, repeats: int,
                  form: str = "dot") -> tuple[float, int]:
     """Best seconds per pass through the 30 layers, and the weight bytes read per pass."""
     import jax
     import jax.numpy as jnp
 
     weights = layer_weights(jnp.float32 if variant == "float32" else jnp.bfloat16)
-    if unrolled:
+    if loop == "unrolled":
         weights = [{name: w[i] for name, w in weights.items()} for i in range(LAYERS)]
+    if loop == "switch":
+        from dspark_jax.models.layer_weights import Unstacked
+
+        weights = {name: Unstacked(w[i] for i in range(LAYERS)) for name, w in weights.items()}
 
     def matmul(x, w):
+        if loop == "switch":  # the engine's switch over per-layer arrays (plain dot only)
+            return w.einsum("bi,io->bo", x)
         if variant == "bfloat16-upcast":
             return x @ w.astype(jnp.float32)
         if variant == "bfloat16-dot":
@@ -86,10 +97,13 @@ def step_seconds(variant: str, unrolled: bool, batch: int, repeats: int,
     @jax.jit
     def passes(weights, h):
         def one(_, h):
-            if unrolled:
+            if loop == "unrolled":
                 for w in weights:
                     h = layer(h, w)[0]
                 return h
+            if loop == "switch":
+                at = lambda h, i: layer(h, {name: w.at(i) for name, w in weights.items()})
+                return jax.lax.scan(at, h, jnp.arange(LAYERS))[0]
             return jax.lax.scan(layer, h, weights)[0]
         return jax.lax.fori_loop(0, STEPS, one, h)
 
@@ -109,6 +123,7 @@ def main():
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--forms", nargs="+", choices=FORMS, default=["dot"],
                         help="ways to write the float32 matmul (other variants: dot only)")
+    parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "layer_matmuls.json")
     args = parser.parse_args()
@@ -119,10 +134,12 @@ def main():
     for batch in args.batches:
         for variant in args.variants:
             for form in args.forms if variant == "float32" else ["dot"]:
-                for unrolled in (False, True):
-                    seconds, nbytes = step_seconds(variant, unrolled, batch, args.repeats, form)
+                for loop in args.loops:
+                    if loop == "switch" and (form != "dot" or variant != "float32"):
+                        continue
+                    seconds, nbytes = step_seconds(variant, loop, batch, args.repeats, form)
                     row = {"batch": batch, "variant": variant, "form": form,
-                           "loop": "unrolled" if unrolled else "scan", "ms_per_pass": 1e3 * seconds,
+                           "loop": loop, "ms_per_pass": 1e3 * seconds,
                            "weight_mb": nbytes / 1e6, "weight_gb_s": nbytes / seconds / 1e9}
                     report["rows"].append(row)
                     print(f"batch {batch:3d}  {variant:16s} {form:8s} {row['loop']:8s} "

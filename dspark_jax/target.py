@@ -75,13 +75,11 @@ class Target:
         """Parameter dtype."""
         return self.state["embed_tokens"]["embedding"].get_value().dtype
 
-    def inference_state(self, layout: str | None = None) -> nnx.State:
+    def inference_state(self, layout: str) -> nnx.State:
         """The state that decoding programs take: the layer stacks' weight matrices held one
         array per layer (``layer_weights``, layout "unstacked": XLA:CPU's layer scan then reads
         them in place instead of copying them each step, at the cost of one more copy of them in
-        memory) or as :attr:`state` ("stacked"); None: ``layer_weights.default_layout``. Made
-        once per :attr:`state` and layout."""
-        layout = layout or layer_weights.default_layout(self.state)
+        memory) or as :attr:`state` ("stacked"). Made once per :attr:`state` and layout."""
         source, made = self._inference_states
         if source is not self.state:
             source, made = self.state, {}

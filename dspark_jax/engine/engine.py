@@ -43,6 +43,7 @@ from dspark_jax.decoding import round as round_lib
 from dspark_jax.decoding.sampling import GREEDY_TEMPERATURE, SamplingParams
 from dspark_jax.engine import step as step_lib
 from dspark_jax.engine.stats import row_counters, stats_from_counters
+from dspark_jax.models import layer_weights as layer_weights_lib
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.prompts import prompt_bucket
 from dspark_jax.scheduling import sps as sps_lib
@@ -268,7 +269,8 @@ class Engine:
       seed: PRNG seed of the sampling.
       record_rounds: R, rounds of each request to record (``Request.trace``; 0: none).
       layer_weights: how the programs read the target's layer weights, "stacked" or "unstacked"
-        (``Target.inference_state``; None: the backend's choice, unstacked on one CPU device).
+        (``Target.inference_state``; None: ``layer_weights.default_layout``, unstacked for a
+        few slots on one CPU device).
     """
 
     def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",
@@ -279,7 +281,8 @@ class Engine:
         if slots < 1 or max_len < 2:
             raise ValueError(f"need slots >= 1 and max_len >= 2, got {slots} and {max_len}")
         self.target, self.drafter = target, drafter
-        self._target_state = target.inference_state(layer_weights)
+        self._target_state = target.inference_state(
+            layer_weights or layer_weights_lib.default_layout(target.state, slots))
         self.num_slots, self.max_len = slots, max_len
         self.num_proposals = 0 if drafter is None else drafter.num_proposals
         # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.

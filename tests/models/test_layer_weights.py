@@ -103,16 +103,17 @@ target = init_target(dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hid
                           num_key_value_heads=2, head_dim=8), seed=3)
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
 replicated = jax.device_put(target.state, jax.sharding.NamedSharding(mesh, jax.P()))
-print("REPORT " + json.dumps({"one": layer_weights.default_layout(target.state),
-                              "two": layer_weights.default_layout(replicated)}))
+print("REPORT " + json.dumps({"one": layer_weights.default_layout(target.state, 1),
+                              "rows": layer_weights.default_layout(target.state, 8),
+                              "two": layer_weights.default_layout(replicated, 1)}))
 """
 
 
-def test_the_default_layout_is_unstacked_on_one_cpu_device_and_stacked_over_several():
+def test_the_default_layout_unstacks_for_few_rows_on_one_cpu_device():
     from conftest import run_on_cpu_devices
 
     report = run_on_cpu_devices(["-c", MESH_SCRIPT], devices=2)
-    assert report == {"one": "unstacked", "two": "stacked"}
+    assert report == {"one": "unstacked", "rows": "stacked", "two": "stacked"}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
