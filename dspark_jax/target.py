@@ -63,7 +63,7 @@ class Target:
         self.hf_config = dict(hf_config or model_config_to_hf(config))
         self.name = name
         self._logits_fn = jax.jit(self._logits_impl)
-        self._inference_states = (None, {})  # (the state they were made from, {layout: state})
+        self._layouts = layer_weights.Layouts(("layers", "global_layers"))
 
     def __repr__(self):
         c = self.config
@@ -80,14 +80,7 @@ class Target:
         array per layer (``layer_weights``, layout "unstacked": XLA:CPU's layer scan then reads
         them in place instead of copying them each step, at the cost of one more copy of them in
         memory) or as :attr:`state` ("stacked"). Made once per :attr:`state` and layout."""
-        source, made = self._inference_states
-        if source is not self.state:
-            source, made = self.state, {}
-            self._inference_states = (source, made)
-        if layout not in made:
-            names = tuple(n for n in ("layers", "global_layers") if n in self.state)
-            made[layout] = layer_weights.with_layout(self.state, names, layout)
-        return made[layout]
+        return self._layouts.get(self.state, layout)
 
     @property
     def model(self) -> Decoder:

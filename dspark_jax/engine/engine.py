@@ -268,9 +268,10 @@ class Engine:
       buckets: flat token counts of the verify forward (default :func:`token_buckets`).
       seed: PRNG seed of the sampling.
       record_rounds: R, rounds of each request to record (``Request.trace``; 0: none).
-      layer_weights: how the programs read the target's layer weights, "stacked" or "unstacked"
-        (``Target.inference_state``; None: ``layer_weights.default_layout``, unstacked for a
-        few slots on one CPU device).
+      layer_weights: how the programs read the target's layer weights, "stacked" or
+        "unstacked" (``Target.inference_state``; None: ``layer_weights.default_layout``,
+        unstacked for a few slots on one CPU device; the drafter's layers always see 7 or more
+        rows, where the stacks cost nothing more).
     """
 
     def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",

@@ -124,3 +124,20 @@ def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> 
     return jax.tree_util.tree_map_with_path(
         lambda path, v: split(tuple(getattr(k, "key", k) for k in path), v), state,
         is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+class Layouts:
+    """A model's state in each layout it was asked for, made once per state (the owner's
+    ``state`` may be replaced: then the layouts are made anew)."""
+
+    def __init__(self, stack_names: tuple[str, ...]):
+        self.stack_names = stack_names
+        self._source, self._made = None, {}
+
+    def get(self, state: nnx.State, layout: str) -> nnx.State:
+        if self._source is not state:
+            self._source, self._made = state, {}
+        if layout not in self._made:
+            names = tuple(n for n in self.stack_names if n in state)
+            self._made[layout] = with_layout(state, names, layout)
+        return self._made[layout]

@@ -117,11 +117,13 @@ def test_the_default_layout_unstacks_for_few_rows_on_one_cpu_device():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_engine_decodes_the_same_tokens_in_both_layouts(temperature):
+@pytest.mark.parametrize("drafted", [False, True], ids=["autoregressive", "speculative"])
+def test_the_engine_decodes_the_same_tokens_in_both_layouts(temperature, drafted):
     target = init_target(dict(QWEN3, eos_token_id=3), seed=1)
+    drafter = dspark_jax.init_drafter(target, seed=2) if drafted else None
     prompts = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42], [17]]
     runs = {layout: [r.token_ids for r in dspark_jax.generate(
-        target, prompts, max_new_tokens=12, temperature=temperature, seed=4, layer_weights=layout)]
-        for layout in layer_weights.LAYOUTS}
+        target, prompts, max_new_tokens=12, temperature=temperature, seed=4, drafter=drafter,
+        layer_weights=layout)] for layout in layer_weights.LAYOUTS}
     assert runs["stacked"] == runs["unstacked"]
     assert any(len(t) > 1 for t in runs["stacked"])
