@@ -61,7 +61,7 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
         as rows finish (continuous batching).
       progress: called with the number of prompts that finished after each engine call.
       layer_weights: how the programs read the target's layer weights, "stacked" or
-        "unstacked" (``Target.inference_state``; None: the backend's choice).
+        "unstacked" (``Engine``; None: ``layer_weights.default_layout`` for the rows).
 
     Returns:
       One GenerationResult per prompt, in order. ``stats`` holds new_tokens, prompt_tokens,

@@ -79,7 +79,9 @@ class Target:
         """The state that decoding programs take: the layer stacks' weight matrices held one
         array per layer (``layer_weights``, layout "unstacked": XLA:CPU's layer scan then reads
         them in place instead of copying them each step, at the cost of one more copy of them in
-        memory) or as :attr:`state` ("stacked"). Made once per :attr:`state` and layout."""
+        memory for as long as the target lives) or as :attr:`state` ("stacked"). Made once per
+        :attr:`state` and layout (``layer_weights.Layouts``: a new :attr:`state` is followed,
+        an in-place change of its arrays is not)."""
         return self._layouts.get(self.state, layout)
 
     @property

@@ -269,9 +269,9 @@ class Engine:
       seed: PRNG seed of the sampling.
       record_rounds: R, rounds of each request to record (``Request.trace``; 0: none).
       layer_weights: how the programs read the target's layer weights, "stacked" or
-        "unstacked" (``Target.inference_state``; None: ``layer_weights.default_layout``,
-        unstacked for a few slots on one CPU device; the drafter's layers always see 7 or more
-        rows, where the stacks cost nothing more).
+        "unstacked" (``Target.inference_state``: unstacked holds one more copy of them in
+        memory); None: ``layer_weights.default_layout``, unstacked for at most 4 slots on one
+        CPU device. The drafter keeps its stacks (its layers run a whole draft block at once).
     """
 
     def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",
@@ -282,8 +282,9 @@ class Engine:
         if slots < 1 or max_len < 2:
             raise ValueError(f"need slots >= 1 and max_len >= 2, got {slots} and {max_len}")
         self.target, self.drafter = target, drafter
-        self._target_state = target.inference_state(
-            layer_weights or layer_weights_lib.default_layout(target.state, slots))
+        # The target's layer weights in this layout (Target.inference_state, read per program).
+        self.layer_weights = layer_weights or layer_weights_lib.default_layout(target.state, slots)
+        target.inference_state(self.layer_weights)  # checks the name, makes the copy now
         self.num_slots, self.max_len = slots, max_len
         self.num_proposals = 0 if drafter is None else drafter.num_proposals
         # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.
@@ -372,7 +373,8 @@ class Engine:
 
     def _models(self):
         d = self.drafter
-        return (self.target.graphdef, self._target_state, None if d is None else d.graphdef,
+        return (self.target.graphdef, self.target.inference_state(self.layer_weights),
+                None if d is None else d.graphdef,
                 None if d is None else d.state)
 
     def _structure(self) -> tuple:
@@ -380,7 +382,8 @@ class Engine:
         model structures, dtypes and parameter shardings, and the state's shapes."""
         if self._structure_id is None:
             t, d = self.target, self.drafter
-            models = (t.graphdef, str(t.dtype), _shardings(self._target_state))
+            models = (t.graphdef, str(t.dtype), self.layer_weights,
+                      _shardings(t.inference_state(self.layer_weights)))
             if d is not None:
                 models += (d.graphdef, str(d.dtype), _shardings(d.state))
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))

@@ -155,7 +155,8 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
     for g, first, end in layer_runs(cfg, split_types):
         ids = groups[g][first:end]
         graphdef, state = nnx.split(model.layer_stacks[g])
-        stack = (state, k_groups[g], v_groups[g])
+        stack = jax.tree.map(lambda x: layer_weights.run_of(x, first, end),
+                             (state, k_groups[g], v_groups[g]), is_leaf=layer_weights.is_unstacked)
         types = {cfg.layer_types[i] for i in ids}
         sliding = None
         if len(types) == 1:
@@ -166,8 +167,8 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
 
         def step(carry, xs):
             entry, index, is_sliding = xs
-            state, k_cache, v_cache = jax.tree.map(lambda x: layer_weights.layer(x, entry), stack,
-                                                   is_leaf=layer_weights.is_unstacked)
+            state, k_cache, v_cache = jax.tree.map(lambda x: layer_weights.layer(x, entry, first),
+                                                   stack, is_leaf=layer_weights.is_unstacked)
             layer_inputs = inputs if sliding is None else pick(is_sliding, *inputs)
             return body(nnx.merge(graphdef, state), index, layer_inputs, k_cache, v_cache, carry)
 

@@ -30,7 +30,7 @@ MAX_ROWS = 4  # the most slots for which default_layout unstacks
 
 @jax.tree_util.register_pytree_node_class
 class Unstacked:
-    """One stacked weight [L, ...] held as L arrays [...] (the leaves of this pytree)."""
+    """One stacked matrix [L, in, out] held as L arrays [in, out] (the leaves of this pytree)."""
 
     def __init__(self, layers):
         self.layers = tuple(layers)
@@ -50,14 +50,19 @@ class Unstacked:
     def dtype(self):
         return self.layers[0].dtype
 
+    def run(self, first: int, end: int) -> "Unstacked":
+        """Layers [first, end) (static): a layer scan over part of a stack switches over those
+        only, so each matmul compiles one branch per layer of the run."""
+        return Unstacked(self.layers[first:end])
+
     def at(self, index: jax.Array) -> "LayerKernel":
-        """Layer ``index`` (traced int []) of the weight, for its matmuls."""
+        """Layer ``index`` (traced int [], within these layers) of the matrix, for its matmuls."""
         return LayerKernel(self.layers, index)
 
 
 @jax.tree_util.register_pytree_node_class
 class LayerKernel:
-    """One layer's weight inside a layer scan: the L arrays and the layer's traced index,
+    """One layer's matrix inside a layer scan: the L arrays and the layer's traced index,
     used only through :meth:`einsum` (there is no array to read without copying it)."""
 
     def __init__(self, layers, index):
@@ -70,12 +75,9 @@ class LayerKernel:
     def tree_unflatten(cls, _, children):
         return cls(*children)
 
-    @property
-    def dtype(self):
-        return self.layers[0].dtype
-
     def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        """``jnp.einsum(spec, x, weight)`` of this layer's weight, read in place."""
+        """``jnp.einsum(spec, x, matrix)`` of this layer's matrix read in place, e.g.
+        "...i,io->...o": x [..., in] -> [..., out]."""
         branches = [functools.partial(_einsum_with, spec, j) for j in range(len(self.layers))]
         return jax.lax.switch(self.index, branches, x, self.layers)
 
@@ -88,21 +90,30 @@ def is_unstacked(x) -> bool:
     return isinstance(x, Unstacked)
 
 
-def layer(x, index: jax.Array):
-    """A stacked leaf's layer ``index`` inside a layer scan: a :class:`LayerKernel` of an
-    :class:`Unstacked` weight, a dynamic slice of an array (a copy on XLA:CPU)."""
+def run_of(x, first: int, end: int):
+    """A stacked leaf as a scan over layers [first, end) reads it: an :class:`Unstacked`
+    matrix cut to those layers, an array whole (indexed by absolute layer, no copy)."""
+    return x.run(first, end) if isinstance(x, Unstacked) else x
+
+
+def layer(x, index: jax.Array, first: int = 0):
+    """Layer ``index`` (traced int, of the whole stack) of a leaf from :func:`run_of` inside
+    a scan over layers from ``first``: a :class:`LayerKernel` of an Unstacked matrix, a dynamic
+    slice of an array (a copy on XLA:CPU)."""
     if isinstance(x, Unstacked):
-        return x.at(index)
+        return x.at(index - first)
     return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
 def default_layout(state: nnx.State, rows: int) -> str:
-    """"unstacked" where the scan's slices are copies that cost: XLA:CPU, the weights whole on
-    one device and at most :data:`MAX_ROWS` rows (an engine's slots); "stacked" otherwise."""
-    one_device = all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(state)
-                     if getattr(x, "sharding", None) is not None)
-    small = rows <= MAX_ROWS
-    return "unstacked" if jax.default_backend() == "cpu" and one_device and small else "stacked"
+    """"unstacked" where the scan's slices are copies that cost: every weight whole on one CPU
+    device and at most :data:`MAX_ROWS` rows (an engine's slots: a step then runs 1 to 4
+    rows per forward, or up to 4 (P + 1) with a drafter, where the layouts run level and only
+    the compile time is longer); "stacked" otherwise."""
+    devices = {d for x in jax.tree.leaves(state) if getattr(x, "sharding", None) is not None
+               for d in x.sharding.device_set}
+    on_one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    return "unstacked" if on_one_cpu and rows <= MAX_ROWS else "stacked"
 
 
 def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> nnx.State:
@@ -127,17 +138,18 @@ def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> 
 
 
 class Layouts:
-    """A model's state in each layout it was asked for, made once per state (the owner's
-    ``state`` may be replaced: then the layouts are made anew)."""
+    """A model's state in each layout it was asked for, made once per state: when the
+    owner's ``state`` is replaced, the next :meth:`get` makes them anew (and drops the old).
+    A copy does not follow in-place changes of the stacked arrays (``Variable.set_value``)."""
 
     def __init__(self, stack_names: tuple[str, ...]):
         self.stack_names = stack_names
         self._source, self._made = None, {}
 
     def get(self, state: nnx.State, layout: str) -> nnx.State:
+        """``state`` in ``layout`` (:func:`with_layout` over the owner's stack names)."""
         if self._source is not state:
             self._source, self._made = state, {}
         if layout not in self._made:
-            names = tuple(n for n in self.stack_names if n in state)
-            self._made[layout] = with_layout(state, names, layout)
+            self._made[layout] = with_layout(state, self.stack_names, layout)
         return self._made[layout]

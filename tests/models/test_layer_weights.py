@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import dspark_jax
+from dspark_jax.engine import Engine
 from dspark_jax.models import layer_weights
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.ragged import ragged_forward
@@ -73,6 +74,10 @@ def test_only_the_layer_stacks_matrices_are_unstacked(config):
             assert flat[path].get_value() is v.get_value()
     with pytest.raises(ValueError, match="unknown layer weight layout 'rows'"):
         target.inference_state("rows")
+    # A new state is followed: its layouts are made anew.
+    target.state = jax.tree.map(lambda x: x + 0, target.state)
+    again = target.inference_state("unstacked")
+    assert again is not unstacked and target.inference_state("stacked") is target.state
 
 
 def _weight_slices(target, layout) -> int:
@@ -82,9 +87,9 @@ def _weight_slices(target, layout) -> int:
     shapes = {f"f32[{','.join(map(str, kernel.shape[1:]))}]"
               for path, kernel in nnx.to_flat_state(target.state)
               if path[0] == "layers" and path[-1] == "kernel"}
-    # A dynamic-slice op, or a fusion named for one, of a weight matrix's shape.
-    ops = re.findall(r"%[\w.-]*dynamic-slice[\w.-]* = (f32\[[0-9,]+\])|= (f32\[[0-9,]+\])\{[^}]*\} "
-                     r"dynamic-slice\(", compiled.as_text())
+    # A dynamic-slice or copy op, or a fusion named for one, of a weight matrix's shape.
+    ops = re.findall(r"%[\w.-]*(?:dynamic-slice|copy)[\w.-]* = (f32\[[0-9,]+\])|= (f32\[[0-9,]+\])"
+                     r"\{[^}]*\} (?:dynamic-slice|copy)\(", compiled.as_text())
     return sum(a in shapes or b in shapes for a, b in ops)
 
 
@@ -104,7 +109,8 @@ target = init_target(dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hid
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
 replicated = jax.device_put(target.state, jax.sharding.NamedSharding(mesh, jax.P()))
 print("REPORT " + json.dumps({"one": layer_weights.default_layout(target.state, 1),
-                              "rows": layer_weights.default_layout(target.state, 8),
+                              "four": layer_weights.default_layout(target.state, 4),
+                              "five": layer_weights.default_layout(target.state, 5),
                               "two": layer_weights.default_layout(replicated, 1)}))
 """
 
@@ -113,13 +119,25 @@ def test_the_default_layout_unstacks_for_few_rows_on_one_cpu_device():
     from conftest import run_on_cpu_devices
 
     report = run_on_cpu_devices(["-c", MESH_SCRIPT], devices=2)
-    assert report == {"one": "unstacked", "rows": "stacked", "two": "stacked"}
+    assert report == {"one": "unstacked", "four": "unstacked", "five": "stacked", "two": "stacked"}
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("drafted", [False, True], ids=["autoregressive", "speculative"])
-def test_the_engine_decodes_the_same_tokens_in_both_layouts(temperature, drafted):
-    target = init_target(dict(QWEN3, eos_token_id=3), seed=1)
+def test_engines_take_the_default_layout_for_their_slots_or_the_one_asked_for():
+    target = init_target(QWEN3, seed=3)
+    assert Engine(target, slots=4, max_len=32).layer_weights == "unstacked"
+    assert Engine(target, slots=5, max_len=32).layer_weights == "stacked"
+    assert Engine(target, slots=1, max_len=32, layer_weights="stacked").layer_weights == "stacked"
+    with pytest.raises(ValueError, match="unknown layer weight layout"):
+        Engine(target, slots=1, max_len=32, layer_weights="rows")
+
+
+# One layer: both layouts have as many leaves (their programs must still not be confused).
+CASES = [(t, d, 3) for t in (0.0, 1.0) for d in (False, True)] + [(0.0, False, 1)]
+
+
+@pytest.mark.parametrize("temperature,drafted,layers", CASES)
+def test_the_engine_decodes_the_same_tokens_in_both_layouts(temperature, drafted, layers):
+    target = init_target(dict(QWEN3, eos_token_id=3, num_hidden_layers=layers), seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2) if drafted else None
     prompts = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42], [17]]
     runs = {layout: [r.token_ids for r in dspark_jax.generate(
