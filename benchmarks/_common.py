@@ -67,22 +67,33 @@ def read_bandwidth() -> float:
 
 def op_table(trace_dir: Path, hlo: str, per: int, *, group: bool, top: int) -> list[str]:
     """The most expensive operations of a ``jax.profiler`` trace (XLA:CPU with
-    ``--xla_cpu_enable_xprof_traceme=true``), as lines 'ms per unit, calls per unit, name,
-    output shape', divided by ``per`` (steps); ``group`` adds up operations that differ only in
-    their numeric suffix; shapes come from the compiled ``hlo`` text."""
-    shapes = dict(re.findall(r"%(\S+) = (\S+) ", hlo))
+    ``--xla_cpu_enable_xprof_traceme=true``), as lines 'ms per unit, calls per unit, program:
+    name, output shape', divided by ``per`` (steps); ``group`` adds up operations of one
+    program that differ only in their numeric suffix; shapes come from the compiled ``hlo``
+    text (one or more modules). Programs name operations alike (``ynn_fusion.1`` of the
+    admission is another matmul than the rounds'), so each operation is keyed by its program."""
+    shapes, module = {}, ""
+    for line in hlo.splitlines():
+        if line.startswith("HloModule "):
+            module = line.split()[1].rstrip(",")
+        elif found := re.search(r"%(\S+) = (\S+) ", line):
+            shapes[(module, found[1])] = found[2]
     path = sorted(trace_dir.glob("**/*.trace.json.gz"), key=os.path.getmtime)[-1]
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
-    total, count = collections.Counter(), collections.Counter()
+    total, count, shape = collections.Counter(), collections.Counter(), {}
     for event in events:
         if event.get("ph") != "X" or event["name"].startswith(("$", "end:", "ThunkExecutor")):
             continue
+        module = event.get("args", {}).get("hlo_module", "")
         name = re.sub(r"\.\d+$", "", event["name"]) if group else event["name"]
-        total[name] += event.get("dur", 0)
-        count[name] += 1
-    return [f"{micros / per / 1e3:9.2f}  {count[name] / per:6.1f}x  {name:42s} {shapes.get(name, '')}"
-            for name, micros in total.most_common(top)]
+        key = (module, name)
+        total[key] += event.get("dur", 0)
+        count[key] += 1
+        shape.setdefault(key, shapes.get((module, event["name"]), ""))
+    return [f"{micros / per / 1e3:9.2f}  {count[key] / per:6.1f}x  "
+            f"{(key[0].removeprefix('jit_') + ':' if key[0] else '') + key[1]:48s} {shape[key]}"
+            for key, micros in total.most_common(top)]
 
 
 def verify_step(target, tap_layer_ids: tuple[int, ...], cache_attention: str | None = None):

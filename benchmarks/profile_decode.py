@@ -74,8 +74,8 @@ def main():
     hlo = "\n".join(program.as_text() for program in engine.compiled_programs())
     (args.workdir / "decode.hlo").write_text(hlo)
     unit = "speculative rounds" if args.drafter else "decode steps"
-    print(f"batch {args.batch}, prompt {args.prompt_len}, {steps} {unit}; ms per step "
-          "(the prefill's operations included, spread over the steps):")
+    print(f"batch {args.batch}, prompt {args.prompt_len}, {steps} {unit}; ms per step, by "
+          "program (admit: the prefill, spread over the steps; run_rounds: the decode loop):")
     print("\n".join(op_table(trace_dir, hlo, steps, group=args.group, top=args.top)))
     print(f"trace: {trace_dir}\nHLO: {args.workdir / 'decode.hlo'}")
 
