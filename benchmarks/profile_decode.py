@@ -12,10 +12,11 @@ With ``--drafter`` the run decodes speculatively (the whole block verified) and 
 round: the draft step's operations (the drafter's layers, its LM head, the block sampler's scan)
 beside the verify's.
 
-``--group`` adds up operations that differ only in their numeric suffix (the prefill's and the
-loop's copies of one fusion; the shape shown is then that of one of them). The trace and the
-HLO are kept under ``--workdir``. The prefill runs in the same program, so its operations are
-in the table too, spread over the decode steps: use many ``--max-new-tokens`` to dilute it.
+Each operation is named with its program: ``admit`` (the prefill, whose operations are spread
+over the decode steps: use many ``--max-new-tokens`` to dilute it) or ``run_rounds`` (the
+decode loop). ``--group`` adds up a program's operations that differ only in their numeric
+suffix (copies of one fusion; the shape shown is then that of one of them). The trace and the
+HLO are kept under ``--workdir``.
 This is a diagnostic for reading the HLO, not a benchmark: the trace annotations themselves
 cost a little, so time figures for BENCHMARKS.md come from bench_ar_generate.py.
 """
