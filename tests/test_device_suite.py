@@ -28,4 +28,7 @@ def test_smoke_run_fills_every_section(tmp_path):
     assert result["sps"]["pallas_speedup"]["8"] > 0
     assert result["speculative"]["batch_1"]["draft_ms"] > 0
     assert result["train"]["flops_per_step"] > 0 and result["train"]["mfu"] > 0
-    assert result["attention"]["fused"] == "xla" and result["attention"]["max_abs_diff"] < 1e-4
+    attention = result["attention"]
+    assert attention["fused"] == "xla"
+    for route in ("xla", "xla_packed"):  # the fused routes, as a mask and as segment lengths
+        assert attention[route + "_max_abs_diff"] < 1e-4 and attention[route + "_speedup"] > 0
