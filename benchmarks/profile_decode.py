@@ -7,6 +7,7 @@ program by total time per decode step, each with its output shape from the compi
     python benchmarks/profile_decode.py --batch 1 --max-new-tokens 64
     python benchmarks/profile_decode.py --batch 32 --temperature 0.7 --top-p 0.8 --top-k 20
     python benchmarks/profile_decode.py --drafter dspark-smollm2-135m   # per speculative round
+    python benchmarks/profile_decode.py --batch 8 --weight-dtype bfloat16 --layer-weights unstacked
 
 With ``--drafter`` the run decodes speculatively (the whole block verified) and the table is per
 round: the draft step's operations (the drafter's layers, its LM head, the block sampler's scan)
@@ -46,6 +47,10 @@ def main():
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--drafter", help="drafter folder or packaged name: profile speculative "
                         "rounds (verify the whole block) instead of autoregressive steps")
+    parser.add_argument("--weight-dtype", choices=["bfloat16"],
+                        help="the target's weight matrices in this dtype (Engine(weight_dtype=))")
+    parser.add_argument("--layer-weights", choices=["stacked", "unstacked"],
+                        help="layout of the target's layer weights (default: the engine's)")
     parser.add_argument("--group", action="store_true", help="sum ops that differ by suffix")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/dspark_profile"))
@@ -60,7 +65,8 @@ def main():
     prompts = [[(17 + 31 * row + i) % 1000 + 10 for i in range(args.prompt_len)]
                for row in range(args.batch)]
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-              top_p=args.top_p, top_k=args.top_k)
+              top_p=args.top_p, top_k=args.top_k, weight_dtype=args.weight_dtype,
+              layer_weights=args.layer_weights)
     if args.drafter:
         kw.update(drafter=dspark_jax.load_drafter(args.drafter, target), verify="full")
     dspark_jax.generate(target, prompts, **kw)  # compile

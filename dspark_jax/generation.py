@@ -37,7 +37,7 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
              drafter=None, verify="full", verify_params: dict | None = None,
              buckets: Sequence[int] | None = None, record: bool = False,
              max_batch: int | None = None, progress=None,
-             layer_weights: str | None = None) -> list[GenerationResult]:
+             layer_weights: str | None = None, weight_dtype=None) -> list[GenerationResult]:
     """Generates continuations of prompts.
 
     Args:
@@ -62,6 +62,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
       progress: called with the number of prompts that finished after each engine call.
       layer_weights: how the programs read the target's layer weights, "stacked" or
         "unstacked" (``Engine``; None: ``layer_weights.default_layout`` for the rows).
+      weight_dtype: the target's weight matrices in this dtype, e.g. bfloat16 under a float32
+        target (multiplied in bfloat16, accumulated in float32; ``Engine``); None: as loaded.
 
     Returns:
       One GenerationResult per prompt, in order. ``stats`` holds new_tokens, prompt_tokens,
@@ -84,7 +86,7 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     engine = Engine(target, drafter, slots=rows, max_len=max_len, policy=verify,
                     policy_params=verify_params, buckets=buckets, seed=seed,
                     record_rounds=max_new_tokens if record and drafter is not None else 0,
-                    layer_weights=layer_weights)
+                    layer_weights=layer_weights, weight_dtype=weight_dtype)
     requests = [engine.submit(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k) for ids in encoded]
     start = time.perf_counter()

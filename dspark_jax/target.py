@@ -75,14 +75,16 @@ class Target:
         """Parameter dtype."""
         return self.state["embed_tokens"]["embedding"].get_value().dtype
 
-    def inference_state(self, layout: str) -> nnx.State:
+    def inference_state(self, layout: str, weight_dtype=None) -> nnx.State:
         """The state that decoding programs take: the layer stacks' weight matrices held one
         array per layer (``layer_weights``, layout "unstacked": XLA:CPU's layer scan then reads
         them in place instead of copying them each step, at the cost of one more copy of them in
-        memory for as long as the target lives) or as :attr:`state` ("stacked"). Made once per
-        :attr:`state` and layout (``layer_weights.Layouts``: a new :attr:`state` is followed,
-        an in-place change of its arrays is not)."""
-        return self._layouts.get(self.state, layout)
+        memory for as long as the target lives) or as :attr:`state` ("stacked"); with
+        ``weight_dtype`` (e.g. bfloat16; None: the parameter dtype) the weight matrices in that
+        dtype under the parameter dtype's activations (``layer_weights.with_dtype``). Made once
+        per :attr:`state`, layout and dtype (``layer_weights.Layouts``: a new :attr:`state` is
+        followed, an in-place change of its arrays is not)."""
+        return self._layouts.get(self.state, layout, weight_dtype)
 
     @property
     def model(self) -> Decoder:

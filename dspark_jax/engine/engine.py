@@ -270,21 +270,29 @@ class Engine:
       record_rounds: R, rounds of each request to record (``Request.trace``; 0: none).
       layer_weights: how the programs read the target's layer weights, "stacked" or
         "unstacked" (``Target.inference_state``: unstacked holds one more copy of them in
-        memory); None: ``layer_weights.default_layout``, unstacked for at most 4 slots on one
-        CPU device. The drafter keeps its stacks (its layers run a whole draft block at once).
+        memory); None: ``layer_weights.default_layout``, unstacked on one CPU device for at
+        most 4 slots, or for any number with ``weight_dtype`` bfloat16. The drafter keeps its
+        stacks (its layers run a whole draft block at once).
+      weight_dtype: the dtype of the target's weight matrices in the programs, e.g. bfloat16
+        under a float32 target: each matmul multiplies in bfloat16 and accumulates in float32
+        (``layer_weights.with_dtype``; one more copy of the matrices); None: the target's own.
+        The drafter keeps its dtype.
     """
 
     def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",
                  policy_params: dict | None = None, buckets: Sequence[int] | None = None,
-                 seed: int = 0, record_rounds: int = 0, layer_weights: str | None = None):
+                 seed: int = 0, record_rounds: int = 0, layer_weights: str | None = None,
+                 weight_dtype=None):
         if drafter is not None and drafter.target is not target:
             raise ValueError("the drafter was built for another target object")
         if slots < 1 or max_len < 2:
             raise ValueError(f"need slots >= 1 and max_len >= 2, got {slots} and {max_len}")
         self.target, self.drafter = target, drafter
         # The target's layer weights in this layout (Target.inference_state, read per program).
-        self.layer_weights = layer_weights or layer_weights_lib.default_layout(target.state, slots)
-        target.inference_state(self.layer_weights)  # checks the name, makes the copy now
+        self.weight_dtype = None if weight_dtype is None else jnp.dtype(weight_dtype)
+        self.layer_weights = layer_weights or layer_weights_lib.default_layout(
+            target.state, slots, self.weight_dtype)
+        self._target_state()  # checks the names, makes the copy now
         self.num_slots, self.max_len = slots, max_len
         self.num_proposals = 0 if drafter is None else drafter.num_proposals
         # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.
@@ -371,9 +379,13 @@ class Engine:
 
     # -- programs ---------------------------------------------------------------------------
 
+    def _target_state(self):
+        """The target's state as this engine's programs read it (layout and weight dtype)."""
+        return self.target.inference_state(self.layer_weights, self.weight_dtype)
+
     def _models(self):
         d = self.drafter
-        return (self.target.graphdef, self.target.inference_state(self.layer_weights),
+        return (self.target.graphdef, self._target_state(),
                 None if d is None else d.graphdef,
                 None if d is None else d.state)
 
@@ -382,8 +394,8 @@ class Engine:
         model structures, dtypes and parameter shardings, and the state's shapes."""
         if self._structure_id is None:
             t, d = self.target, self.drafter
-            models = (t.graphdef, str(t.dtype), self.layer_weights,
-                      _shardings(t.inference_state(self.layer_weights)))
+            models = (t.graphdef, str(t.dtype), self.layer_weights, str(self.weight_dtype),
+                      _shardings(self._target_state()))
             if d is not None:
                 models += (d.graphdef, str(d.dtype), _shardings(d.state))
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))

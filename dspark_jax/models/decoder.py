@@ -221,8 +221,10 @@ class Decoder(nnx.Module):
     # -- pieces shared with the drafter ---------------------------------------------------
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """int [B, T] -> [B, T, d] (times sqrt(d) in the parameter dtype for Gemma)."""
-        return self.scale_embedding(self.embed_tokens(tokens))
+        """int [B, T] -> [B, T, d] in the activation dtype :attr:`dtype` (times sqrt(d) in the
+        table's dtype for Gemma; a bfloat16 table under float32 activations,
+        ``layer_weights.with_dtype``, gives its rows in float32)."""
+        return self.scale_embedding(self.embed_tokens(tokens)).astype(self.dtype)
 
     def scale_embedding(self, rows: jax.Array) -> jax.Array:
         """Embedding rows [..., d] as the decoder's input: times sqrt(d) (in their dtype) for
@@ -245,12 +247,15 @@ class Decoder(nnx.Module):
     def logits(self, hidden: jax.Array, head_rows: jax.Array | None = None) -> jax.Array:
         """Final-normed hidden [..., d] -> float32 logits [..., V] (``hidden @ lm_head_matrix()``,
         soft-capped by ``final_logit_softcapping`` when the config sets it); with ``head_rows``
-        (:meth:`lm_head_rows` of V' tokens), only those tokens' logits [..., V']."""
+        (:meth:`lm_head_rows` of V' tokens), only those tokens' logits [..., V']. A head held in
+        another dtype than ``hidden`` (bfloat16 weights, ``layer_weights.with_dtype``)
+        multiplies ``hidden`` rounded to its dtype."""
         if head_rows is None:
-            logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head_matrix(),
+            head = self.lm_head_matrix()
+            logits = jnp.einsum("...d,dv->...v", hidden.astype(head.dtype), head,
                                 preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("...d,vd->...v", hidden, head_rows,
+            logits = jnp.einsum("...d,vd->...v", hidden.astype(head_rows.dtype), head_rows,
                                 preferred_element_type=jnp.float32)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)

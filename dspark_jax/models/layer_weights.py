@@ -75,15 +75,21 @@ class LayerKernel:
     def tree_unflatten(cls, _, children):
         return cls(*children)
 
-    def einsum(self, spec: str, x: jax.Array) -> jax.Array:
-        """``jnp.einsum(spec, x, matrix)`` of this layer's matrix read in place, e.g.
-        "...i,io->...o": x [..., in] -> [..., out]."""
-        branches = [functools.partial(_einsum_with, spec, j) for j in range(len(self.layers))]
+    @property
+    def dtype(self):
+        return self.layers[0].dtype
+
+    def einsum(self, spec: str, x: jax.Array, preferred_element_type=None) -> jax.Array:
+        """``jnp.einsum(spec, x, matrix, preferred_element_type=...)`` of this layer's matrix
+        read in place, e.g. "...i,io->...o": x [..., in] -> [..., out]."""
+        branches = [functools.partial(_einsum_with, spec, j, preferred_element_type)
+                    for j in range(len(self.layers))]
         return jax.lax.switch(self.index, branches, x, self.layers)
 
 
-def _einsum_with(spec: str, j: int, x: jax.Array, layers: tuple) -> jax.Array:
-    return jnp.einsum(spec, x, layers[j])
+def _einsum_with(spec: str, j: int, preferred_element_type, x: jax.Array,
+                 layers: tuple) -> jax.Array:
+    return jnp.einsum(spec, x, layers[j], preferred_element_type=preferred_element_type)
 
 
 def is_unstacked(x) -> bool:
@@ -105,15 +111,19 @@ def layer(x, index: jax.Array, first: int = 0):
     return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
-def default_layout(state: nnx.State, rows: int) -> str:
+def default_layout(state: nnx.State, rows: int, dtype=None) -> str:
     """"unstacked" where the scan's slices are copies that cost: every weight whole on one CPU
     device and at most :data:`MAX_ROWS` rows (an engine's slots: a step then runs 1 to 4
     rows per forward, or up to 4 (P + 1) with a drafter, where the layouts run level and only
-    the compile time is longer); "stacked" otherwise."""
+    the compile time is longer), or any rows with the matrices in another ``dtype`` than
+    float32 (:func:`with_dtype`: XLA:CPU's bfloat16 matmul of a copied slice runs at about
+    half the speed of a float32 one, of an array read in place at about twice); "stacked"
+    otherwise."""
     devices = {d for x in jax.tree.leaves(state) if getattr(x, "sharding", None) is not None
                for d in x.sharding.device_set}
     on_one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
-    return "unstacked" if on_one_cpu and rows <= MAX_ROWS else "stacked"
+    low_precision = dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.float32)
+    return "unstacked" if on_one_cpu and (rows <= MAX_ROWS or low_precision) else "stacked"
 
 
 def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> nnx.State:
@@ -137,19 +147,46 @@ def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> 
         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def with_dtype(state: nnx.State, stack_names: tuple[str, ...], dtype) -> nnx.State:
+    """``state`` with its weight matrices in ``dtype`` (None: unchanged): the layer stacks'
+    matrices [L, in, out] under ``stack_names``, the embedding table and an untied LM head.
+    Norm scales, biases and the activations stay as they are, so with bfloat16 matrices under
+    a float32 model every matmul multiplies in bfloat16 and accumulates in float32
+    (``layers.Linear``, ``Decoder.logits``) and the embedding rows are read back in float32.
+    On a CPU with AMX or AVX-512 BF16, XLA:CPU runs such matmuls of 4 rows and more about
+    twice as fast as float32 ones (BENCHMARKS.md, "bfloat16 weights"). New buffers (one more
+    copy of the matrices, made once); the rest is shared."""
+    if dtype is None:
+        return state
+    dtype = jnp.dtype(dtype)
+
+    def cast(path, variable):
+        value = variable.get_value()
+        matrix = ((path[0] in stack_names and path[-1] == "kernel" and value.ndim == 3)
+                  or path == ("embed_tokens", "embedding") or path == ("lm_head",))
+        return variable.replace(value.astype(dtype)) if matrix and value.dtype != dtype else variable
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, v: cast(tuple(getattr(k, "key", k) for k in path), v), state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 class Layouts:
-    """A model's state in each layout it was asked for, made once per state: when the
-    owner's ``state`` is replaced, the next :meth:`get` makes them anew (and drops the old).
-    A copy does not follow in-place changes of the stacked arrays (``Variable.set_value``)."""
+    """A model's state in each layout and weight dtype it was asked for, made once per state:
+    when the owner's ``state`` is replaced, the next :meth:`get` makes them anew (and drops the
+    old). A copy does not follow in-place changes of the stacked arrays (``Variable.set_value``)."""
 
     def __init__(self, stack_names: tuple[str, ...]):
         self.stack_names = stack_names
         self._source, self._made = None, {}
 
-    def get(self, state: nnx.State, layout: str) -> nnx.State:
-        """``state`` in ``layout`` (:func:`with_layout` over the owner's stack names)."""
+    def get(self, state: nnx.State, layout: str, dtype=None) -> nnx.State:
+        """``state`` in ``layout`` (:func:`with_layout`) with its matrices in ``dtype``
+        (:func:`with_dtype`; None: as they are), over the owner's stack names."""
         if self._source is not state:
             self._source, self._made = state, {}
-        if layout not in self._made:
-            self._made[layout] = with_layout(state, self.stack_names, layout)
-        return self._made[layout]
+        key = (layout, None if dtype is None else jnp.dtype(dtype).name)
+        if key not in self._made:
+            self._made[key] = with_layout(with_dtype(state, self.stack_names, dtype),
+                                          self.stack_names, layout)
+        return self._made[key]

@@ -83,11 +83,18 @@ class Linear(nnx.Module):
         self.bias = _param(None, (d_out,), dtype, names[1:], init="zeros") if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., in] -> [..., out] in x's dtype. A kernel held in another dtype than x
+        (bfloat16 weights under float32 activations, ``layer_weights.with_dtype``) multiplies x
+        rounded to the kernel's dtype and accumulates in x's."""
         kernel = self.kernel.get_value()
-        if isinstance(kernel, LayerKernel):  # one layer of per-layer arrays, read in place
-            y = kernel.einsum("...i,io->...o", x)
+        if kernel.dtype != x.dtype:
+            x, accumulate = x.astype(kernel.dtype), x.dtype
         else:
-            y = jnp.einsum("...i,io->...o", x, kernel)
+            accumulate = None
+        if isinstance(kernel, LayerKernel):  # one layer of per-layer arrays, read in place
+            y = kernel.einsum("...i,io->...o", x, preferred_element_type=accumulate)
+        else:
+            y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=accumulate)
         return y if self.bias is None else y + self.bias[...]
 
 

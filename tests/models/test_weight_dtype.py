@@ -1,0 +1,107 @@
+"""bfloat16 weight matrices under a float32 target (``layer_weights.with_dtype``,
+``Engine(weight_dtype=)``): only the matrices change dtype, every matmul multiplies the
+activations rounded to bfloat16 and accumulates in float32, and the engine keeps greedy
+speculative output equal to greedy autoregressive output in that dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dspark_jax
+from dspark_jax.engine import Engine
+from dspark_jax.models import layer_weights
+from dspark_jax.models.layers import Linear
+from dspark_jax.target import init_target
+
+from test_ragged import GEMMA4, QWEN3
+
+UNTIED = dict(QWEN3, tie_word_embeddings=False)
+PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12], [17]]
+
+
+def _flat(state) -> dict:
+    return {path: v.get_value() for path, v in nnx.to_flat_state(state)}
+
+
+@pytest.mark.parametrize("config", [QWEN3, UNTIED, GEMMA4], ids=["tied", "untied", "gemma4"])
+def test_only_the_weight_matrices_take_the_dtype(config):
+    target = init_target(config, seed=3)
+    state = target.inference_state("stacked", jnp.bfloat16)
+    assert target.inference_state("stacked", "bfloat16") is state  # made once per state
+    assert target.inference_state("stacked") is target.state
+    stacks = [n for n in ("layers", "global_layers") if n in target.state]
+    matrices = {path for path, value in _flat(target.state).items()
+                if (path[0] in stacks and path[-1] == "kernel")
+                or path in (("embed_tokens", "embedding"), ("lm_head",))}
+    assert ("lm_head",) in matrices or config is not UNTIED
+    for path, value in _flat(state).items():
+        original = _flat(target.state)[path]
+        if path in matrices:
+            assert value.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(value, original.astype(jnp.bfloat16))
+        else:  # norms, biases, scalars: the same float32 arrays
+            assert value is original and value.dtype == jnp.float32
+    # Both layouts of the bfloat16 matrices.
+    unstacked = _flat(target.inference_state("unstacked", jnp.bfloat16))
+    split = [v for v in unstacked.values() if isinstance(v, layer_weights.Unstacked)]
+    assert split and all(v.dtype == jnp.bfloat16 for v in split)
+
+
+@pytest.mark.parametrize("layout", layer_weights.LAYOUTS)
+def test_a_linear_layer_multiplies_in_bfloat16_and_accumulates_in_float32(layout):
+    layer = Linear(64, 48, names=("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0), bias=True)
+    layer.bias.set_value(jnp.linspace(-1, 1, 48))
+    x = jax.random.normal(jax.random.key(1), (3, 5, 64), jnp.float32)
+    w = layer.kernel.get_value()
+    layer.kernel.set_value(w.astype(jnp.bfloat16))
+    if layout == "unstacked":  # one layer of a stack, as a layer scan reads it
+        stack = layer_weights.Unstacked([w.astype(jnp.bfloat16)] * 2)
+        layer.kernel.set_value(stack.at(jnp.asarray(1)))
+    y = jax.jit(lambda x: layer(x))(x)
+    assert y.dtype == jnp.float32
+    # bfloat16 products are exact in float32: only the order of the float32 sums may differ.
+    rounded = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    want = rounded(x) @ rounded(w) + np.asarray(layer.bias.get_value(), np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    # ... which a bfloat16 result (rounded to 8 bits) would miss.
+    assert np.abs(rounded(y) - want).max() > 1e-3
+
+
+def test_bfloat16_weights_keep_the_logits_close():
+    """The tolerance of the bfloat16 matrices on a tiny random Qwen3 (SmolLM2's is measured in
+    BENCHMARKS.md): the logits within 2% of their range, the same argmax at most positions."""
+    target = init_target(dict(QWEN3, num_hidden_layers=4), seed=3)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 48, (4, 16)))
+
+    def logits(state):
+        model = nnx.merge(target.graphdef, state)
+        positions = jnp.broadcast_to(jnp.arange(16), ids.shape)
+        return model.logits(model(ids, positions).hidden)
+
+    want = np.asarray(logits(target.state))
+    got = np.asarray(logits(target.inference_state("stacked", jnp.bfloat16)))
+    assert got.dtype == np.float32
+    scale = want.max() - want.min()
+    assert 0 < np.abs(got - want).max() < 0.02 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
+
+
+def test_bfloat16_weights_read_in_place_on_one_cpu_for_any_number_of_slots():
+    target = init_target(QWEN3, seed=3)
+    assert layer_weights.default_layout(target.state, 64, jnp.bfloat16) == "unstacked"
+    assert layer_weights.default_layout(target.state, 64, jnp.float32) == "stacked"
+    engine = Engine(target, slots=8, max_len=32, weight_dtype="bfloat16")
+    assert engine.layer_weights == "unstacked" and engine.weight_dtype == jnp.bfloat16
+    assert Engine(target, slots=8, max_len=32).layer_weights == "stacked"
+
+
+@pytest.mark.parametrize("layout", layer_weights.LAYOUTS)
+def test_greedy_speculative_equals_greedy_autoregressive_with_bfloat16_weights(layout):
+    target = init_target(dict(QWEN3, eos_token_id=3, num_hidden_layers=4), seed=1)
+    drafter = dspark_jax.init_drafter(target, seed=2)
+    kw = dict(max_new_tokens=16, weight_dtype="bfloat16", layer_weights=layout)
+    ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, **kw)]
+    sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, drafter=drafter, **kw)]
+    assert sp == ar and any(len(t) > 1 for t in ar)
