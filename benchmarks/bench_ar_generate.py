@@ -8,11 +8,16 @@ of the jitted loop is reported separately.
     python benchmarks/bench_ar_generate.py --prompt-set train-math --batches 32 \
         --modes greedy sampled --repeats 2
     python benchmarks/bench_ar_generate.py --layer-weights stacked unstacked --batches 1 8
+    python benchmarks/bench_ar_generate.py --weight-dtypes float32 bfloat16 --batches 1 8 32
 
 ``--layer-weights`` times dspark-jax once per layout of the target's layer weights in the
 decode programs (``Target.inference_state``: "stacked" slices each layer out of [L, ...]
 arrays, which XLA:CPU copies; "unstacked" reads per-layer arrays in place), all alternating
 with transformers in one run, and checks that every layout decodes the same tokens.
+``--weight-dtypes float32 bfloat16`` times each layout once more with the target's weight
+matrices in bfloat16 (``Engine(weight_dtype=)``: multiplied in bfloat16, accumulated in
+float32), and transformers once more in bfloat16 (its weights and activations) beside its
+float32 run: each dtype's tokens are compared within that dtype.
 
 Prompts: ``eval`` takes the first user turns of gsm8k and mt-bench (../shared/data/eval),
 ``train-math`` those of the math training prompts (../shared/data/train), as data regeneration
@@ -78,9 +83,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layer-weights", nargs="+", choices=["stacked", "unstacked"],
                         help="layouts of the target's layer weights to time (default: the backend's)")
+    parser.add_argument("--weight-dtypes", nargs="+", choices=["float32", "bfloat16"],
+                        default=["float32"], help="dtypes of the target's weight matrices to time")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "ar_generate.json")
     args = parser.parse_args()
-    layouts = args.layer_weights or [None]
+    # Each way dspark-jax decodes: (layout of the layer weights, dtype of the weight matrices).
+    ways = [(layout, dtype) for dtype in args.weight_dtypes
+            for layout in (args.layer_weights or [None])]
 
     import jax
     import torch
@@ -92,7 +101,9 @@ def main():
 
     target = dspark_jax.load_target(args.model)
     hf_folder = registry.converted_folder(args.model) if args.model in registry.REGISTRY else args.model
-    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32).eval()
+    hf_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    hf_models = {d: AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=hf_dtypes[d]).eval()
+                 for d in args.weight_dtypes}
     prompts = load_prompts(args.data_dir, args.prompt_set, max(args.batches))
     encoded = encode_prompts(target, prompts)
     pad = target.tokenizer.pad_token_id
@@ -113,40 +124,52 @@ def main():
         for mode in args.modes:
             settings = SAMPLING[mode]
             hf_settings = (dict(do_sample=True, **settings) if settings else dict(do_sample=False))
-            def ours_once(layout, seed):
+            def ours_once(way, seed):
+                layout, dtype = way
                 return dspark_jax.generate(target, ids, max_new_tokens=args.max_new_tokens,
-                                           seed=seed, layer_weights=layout, **settings)
+                                           seed=seed, layer_weights=layout,
+                                           weight_dtype=None if dtype == "float32" else dtype,
+                                           **settings)
 
             # dspark-jax: the first call compiles (timed separately), then timed runs.
-            compile_s = {layout: ours_once(layout, 0)[0].stats["compile_s"] for layout in layouts}
-            ours, tokens, theirs = {layout: [] for layout in layouts}, {}, []
+            compile_s = {way: ours_once(way, 0)[0].stats["compile_s"] for way in ways}
+            ours, tokens = {way: [] for way in ways}, {}
+            theirs = {dtype: [] for dtype in args.weight_dtypes}
             with torch.no_grad():
-                hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=4, pad_token_id=pad,
-                                  **hf_settings)
+                for hf_model in hf_models.values():
+                    hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=4,
+                                      pad_token_id=pad, **hf_settings)
                 for repeat in range(args.repeats):  # all alternate: they see the same machine
-                    for layout in layouts:
-                        res = ours_once(layout, repeat)
-                        ours[layout].append(res[0].stats["tokens_per_s"])
-                        tokens.setdefault(repeat, []).append([r.token_ids for r in res])
-                    torch.manual_seed(repeat)
-                    start = time.perf_counter()
-                    out = hf_model.generate(input_ids, attention_mask=mask, pad_token_id=pad,
-                                            max_new_tokens=args.max_new_tokens, **hf_settings)
-                    wall = time.perf_counter() - start
-                    theirs.append(count_new_tokens(out[:, width:].numpy(), eos) / wall)
+                    for way in ways:
+                        res = ours_once(way, repeat)
+                        ours[way].append(res[0].stats["tokens_per_s"])
+                        tokens.setdefault((repeat, way[1]), []).append([r.token_ids for r in res])
+                    for dtype, hf_model in hf_models.items():
+                        torch.manual_seed(repeat)
+                        start = time.perf_counter()
+                        out = hf_model.generate(input_ids, attention_mask=mask, pad_token_id=pad,
+                                                max_new_tokens=args.max_new_tokens, **hf_settings)
+                        wall = time.perf_counter() - start
+                        theirs[dtype].append(count_new_tokens(out[:, width:].numpy(), eos) / wall)
             layouts_agree = all(all(t == runs[0] for t in runs) for runs in tokens.values())
-            for layout in layouts:
+            for way in ways:
+                layout, dtype = way
                 row = dict(batch=batch, mode=mode, layer_weights=layout or "default",
-                           dspark_tokens_per_s=statistics.median(ours[layout]),
-                           hf_tokens_per_s=statistics.median(theirs), compile_s=compile_s[layout],
-                           layouts_decode_the_same_tokens=layouts_agree)
+                           weight_dtype=dtype, dspark_tokens_per_s=statistics.median(ours[way]),
+                           hf_tokens_per_s=statistics.median(theirs["float32"] if "float32" in theirs
+                                                             else theirs[dtype]),
+                           hf_same_dtype_tokens_per_s=statistics.median(theirs[dtype]),
+                           compile_s=compile_s[way], layouts_decode_the_same_tokens=layouts_agree)
                 row["ratio"] = row["dspark_tokens_per_s"] / row["hf_tokens_per_s"]
+                row["ratio_same_dtype"] = row["dspark_tokens_per_s"] / row["hf_same_dtype_tokens_per_s"]
                 if batch == 1 and mode == "greedy":
                     row["fraction_of_roofline"] = row["dspark_tokens_per_s"] / roofline
                 rows.append(row)
-                print(f"batch {batch} {mode} ({row['layer_weights']}): dspark-jax "
-                      f"{row['dspark_tokens_per_s']:.1f} tok/s, transformers {row['hf_tokens_per_s']:.1f} "
-                      f"tok/s, ratio {row['ratio']:.2f}x, compile {compile_s[layout]:.1f} s"
+                print(f"batch {batch} {mode} ({row['layer_weights']}, {dtype} weights): dspark-jax "
+                      f"{row['dspark_tokens_per_s']:.1f} tok/s, transformers float32 "
+                      f"{row['hf_tokens_per_s']:.1f} tok/s ({row['ratio']:.2f}x), transformers "
+                      f"{dtype} {row['hf_same_dtype_tokens_per_s']:.1f} tok/s "
+                      f"({row['ratio_same_dtype']:.2f}x), compile {compile_s[way]:.1f} s"
                       + ("" if layouts_agree else ", LAYOUTS DECODED DIFFERENT TOKENS"), flush=True)
 
     report = dict(benchmark="ar_generate", model=args.model, max_new_tokens=args.max_new_tokens,

@@ -9,7 +9,8 @@ little)."
     python benchmarks/bench_speculative.py
 
 (options: --drafter PATH --batches 1 8 --temperature 0 --max-new-tokens 64 --repeats 15
---warmup 1 --context-extra 32 --output benchmarks/results/speculative.json)
+--warmup 1 --context-extra 32 --layer-weights stacked|unstacked --weight-dtype bfloat16
+--output benchmarks/results/speculative.json)
 
 Target: SmolLM2-135M-Instruct (``load_target``, the backend's default dtype: float32 on CPU).
 Drafter: ``--drafter PATH`` (``load_drafter``), else an untrained one,
@@ -106,6 +107,9 @@ def main():
     parser.add_argument("--engine-repeats", type=int, default=3,
                         help="AR / SPEC generate calls per prompt group, alternated (median)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight-dtype", choices=["bfloat16"],
+                        help="the target's weight matrices in this dtype, in both engines and the "
+                             "isolated steps (Engine(weight_dtype=); default: as loaded)")
     parser.add_argument("--layer-weights", choices=["stacked", "unstacked"],
                         help="layout of the target's layer weights in every program "
                              "(Target.inference_state; default: the engine's for the batch)")
@@ -186,7 +190,9 @@ def main():
         apos = jnp.asarray(anchor_pos, jnp.int32)
         params = SamplingParams.broadcast(b, args.temperature, 1.0, 0)
         key = jax.random.key(args.seed)
-        t_state = target.inference_state(args.layer_weights or default_layout(target.state, b))
+        t_state = target.inference_state(
+            args.layer_weights or default_layout(target.state, b, args.weight_dtype),
+            args.weight_dtype)
 
         def run_verify():
             logits, taps, state["t_cache"] = verify(t_state, state["t_cache"], tokens,
@@ -229,7 +235,7 @@ def main():
 
     def run_generate(ids, spec: bool):
         kwargs = dict(max_new_tokens=n_max, temperature=args.temperature, seed=args.seed,
-                      layer_weights=args.layer_weights)
+                      layer_weights=args.layer_weights, weight_dtype=args.weight_dtype)
         if spec:
             kwargs.update(drafter=drafter, verify="full")
         key = (spec, len(ids), prompt_bucket(max(len(p) for p in ids)))
@@ -365,6 +371,7 @@ def main():
         max_new_tokens=n_max, batches=args.batches, warmup=args.warmup, repeats=args.repeats,
         engine_repeats=args.engine_repeats,
         context_extra=args.context_extra, seed=args.seed, layer_weights=args.layer_weights or "default",
+        weight_dtype=args.weight_dtype or np.dtype(target.dtype).name,
         machine=f"{platform.machine()} {cpu_name()}", cpus=os.cpu_count(),
         load_average_start=load_start, load_average_end=list(os.getloadavg()),
         jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command_line(__file__),
