@@ -11,7 +11,7 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
 WEIGHT_DTYPES = ("bfloat16",)
 WEIGHT_DTYPE_HELP = ("decode with the target's weight matrices in this dtype under its --dtype "
                      "activations (multiplied in bfloat16, accumulated in float32): on a CPU "
-                     "with AMX / AVX-512 BF16 faster from 4 rows on, slower at batch 1")
+                     "with AMX faster from 8 rows on, slower at batch 1")
 # Errors that mean bad input: a one-line message and exit status 2. Our argument and input checks
 # raise ValueError, and so do the project's own error types (CheckpointError and
 # UnsupportedModelError subclass it); a missing input folder or file (a data folder without

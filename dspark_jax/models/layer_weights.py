@@ -14,6 +14,10 @@ Xeon the 30 layers' matmuls of SmolLM2-135M took 32 / 32 / 33 / 38 ms stacked an
 long. So an engine of at most :data:`MAX_ROWS` slots on a single CPU device reads its target's
 weights this way (:func:`default_layout`); larger batches, training, meshes and accelerators
 keep the stacked arrays.
+
+:func:`with_dtype` holds the matrices in another dtype than the model's (bfloat16 under a
+float32 model: each matmul multiplies in bfloat16 and accumulates in float32), which
+:class:`Layouts` combines with either layout.
 """
 
 from __future__ import annotations
@@ -153,9 +157,9 @@ def with_dtype(state: nnx.State, stack_names: tuple[str, ...], dtype) -> nnx.Sta
     Norm scales, biases and the activations stay as they are, so with bfloat16 matrices under
     a float32 model every matmul multiplies in bfloat16 and accumulates in float32
     (``layers.Linear``, ``Decoder.logits``) and the embedding rows are read back in float32.
-    On a CPU with AMX or AVX-512 BF16, XLA:CPU runs such matmuls of 4 rows and more about
-    twice as fast as float32 ones (BENCHMARKS.md, "bfloat16 weights"). New buffers (one more
-    copy of the matrices, made once); the rest is shared."""
+    On a CPU with AMX, XLA:CPU runs such matmuls of 4 to 32 rows 1.4-2.2x as fast as float32
+    ones and of one row at about half their speed (BENCHMARKS.md, "bfloat16 weight matrices on
+    a CPU"). New buffers (one more copy of the matrices, made once); the rest is shared."""
     if dtype is None:
         return state
     dtype = jnp.dtype(dtype)
