@@ -9,6 +9,7 @@
 # this script continues where it stopped (also after a kill).
 #
 #   bash launch/regenerate_smollm2.sh [ROUNDS]      # DATA=data/campaign by default
+#   DATA=data/campaign_bf16 WEIGHT_DTYPE=bfloat16 bash launch/regenerate_smollm2.sh [ROUNDS]
 set -euo pipefail
 ROUNDS=${1:-40}
 DATA=${DATA:-data/campaign}
@@ -20,6 +21,12 @@ PER_ROUND=${PER_ROUND:-128}
 # (64 prompts per round) through 32 rows; rows, shard size and round size only group the work,
 # so every folder resumes with any of them.
 COMMON=(--batch-size 64 --max-new-tokens 192 --max-length 512 --shard-size 128)
+# WEIGHT_DTYPE=bfloat16 decodes with the target's weight matrices in bfloat16 (1.1-1.24x the
+# loss tokens/s of float32 at 64 rows on a CPU with AMX, BENCHMARKS.md): only for new folders,
+# since a folder records its weight dtype and refuses to continue in another.
+if [ -n "${WEIGHT_DTYPE:-}" ]; then
+  COMMON+=(--weight-dtype "$WEIGHT_DTYPE")
+fi
 # Each domain's training prompts end where its held-out split begins (indices among the
 # domain's prompts): math 2000 of 2,550, code 3000 of 3,581, chat 12000 of 12,912.
 MATH_END=2000 CODE_END=3000 CHAT_END=12000

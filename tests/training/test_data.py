@@ -133,6 +133,8 @@ def test_resume_after_kill_equals_uninterrupted(smollm2, uninterrupted, math_fil
 
     with pytest.raises(ValueError, match="other prompt files or settings"):
         data.prepare_data(smollm2, math_files, out, **{**SETTINGS, "seed": 6})
+    with pytest.raises(ValueError, match="other prompt files or settings"):  # another law
+        data.prepare_data(smollm2, math_files, out, **SETTINGS, weight_dtype="bfloat16")
     monkeypatch.setattr(data, "generate", dspark_jax.generate)
     resumed = data.prepare_data(smollm2, math_files, out, **SETTINGS)
 
@@ -155,6 +157,26 @@ def test_resume_after_kill_equals_uninterrupted(smollm2, uninterrupted, math_fil
 
     monkeypatch.setattr(data, "generate", no_generate)
     assert data.prepare_data(smollm2, math_files, out, **SETTINGS) == reference
+
+
+def test_a_weight_dtype_reaches_the_engine_and_the_folders_settings(smollm2, tmp_path,
+                                                                     monkeypatch):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(4)))
+    seen = []
+
+    def fake_generate(target, prompt_ids, **kwargs):
+        seen.append(kwargs["weight_dtype"])
+        return [GenerationResult(list(range(10, 30)), "", {}) for _ in prompt_ids]
+
+    monkeypatch.setattr(data, "generate", fake_generate)
+    manifest = data.prepare_data(smollm2, [path], tmp_path / "out", batch_size=2, shard_size=2,
+                                 weight_dtype="bfloat16", progress=False)
+    assert seen == ["bfloat16", "bfloat16"] and manifest["num_samples"] == 4
+    assert manifest["settings"]["weight_dtype"] == "bfloat16"
+    plain = data.prepare_data(smollm2, [path], tmp_path / "plain", batch_size=2, shard_size=2,
+                              progress=False)
+    assert seen[-1] is None and "weight_dtype" not in plain["settings"]
 
 
 def test_select_keeps_code_or_chat_prompts(smollm2, tmp_path, monkeypatch):
