@@ -304,8 +304,8 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
         that ask for code, "chat" = the others) before ``first_prompt`` / ``max_samples``
         count them; None keeps all.
       weight_dtype: decode with the target's weight matrices in this dtype ("bfloat16":
-        ``Engine(weight_dtype=)``, about 1.6x the tokens/s of float32 at 32 rows on a CPU with
-        AMX; the answers are then the bfloat16-weight target's, as a GPU regenerates them);
+        ``Engine(weight_dtype=)``, 1.1-1.24x the tokens/s of float32 at 32-64 rows on a CPU
+        with AMX; the answers are then the bfloat16-weight target's, as a GPU regenerates them);
         None: as loaded. Recorded in the settings.
       progress: show a tqdm bar (prompts, with samples/s).
 
