@@ -33,7 +33,7 @@ from dspark_jax.models import layer_weights
 from dspark_jax.models.fused_attention import attend_cache, attend_segments
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend,
-                                      rope_cos_sin, rope_frequencies)
+                                      rope_cos_sin, rope_frequencies, with_min_rows)
 
 
 class DecoderOutput(NamedTuple):
@@ -249,11 +249,15 @@ class Decoder(nnx.Module):
         soft-capped by ``final_logit_softcapping`` when the config sets it); with ``head_rows``
         (:meth:`lm_head_rows` of V' tokens), only those tokens' logits [..., V']. A head held in
         another dtype than ``hidden`` (bfloat16 weights, ``layer_weights.with_dtype``)
-        multiplies ``hidden`` rounded to its dtype."""
+        multiplies ``hidden`` rounded to its dtype, on at least ``layers.MIN_ROWS`` rows."""
         if head_rows is None:
             head = self.lm_head_matrix()
-            logits = jnp.einsum("...d,dv->...v", hidden.astype(head.dtype), head,
-                                preferred_element_type=jnp.float32)
+
+            def product(h):
+                return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
+
+            logits = (product(hidden) if head.dtype == hidden.dtype
+                      else with_min_rows(product, hidden.astype(head.dtype)))
         else:
             logits = jnp.einsum("...d,vd->...v", hidden.astype(head_rows.dtype), head_rows,
                                 preferred_element_type=jnp.float32)

@@ -85,17 +85,37 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> [..., out] in x's dtype. A kernel held in another dtype than x
         (bfloat16 weights under float32 activations, ``layer_weights.with_dtype``) multiplies x
-        rounded to the kernel's dtype and accumulates in x's."""
+        rounded to the kernel's dtype and accumulates in x's, on at least :data:`MIN_ROWS`
+        rows (:func:`with_min_rows`)."""
         kernel = self.kernel.get_value()
         if kernel.dtype != x.dtype:
             x, accumulate = x.astype(kernel.dtype), x.dtype
         else:
             accumulate = None
-        if isinstance(kernel, LayerKernel):  # one layer of per-layer arrays, read in place
-            y = kernel.einsum("...i,io->...o", x, preferred_element_type=accumulate)
-        else:
-            y = jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=accumulate)
+
+        def product(x):
+            if isinstance(kernel, LayerKernel):  # one layer of per-layer arrays, read in place
+                return kernel.einsum("...i,io->...o", x, preferred_element_type=accumulate)
+            return jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=accumulate)
+
+        y = product(x) if accumulate is None else with_min_rows(product, x)
         return y if self.bias is None else y + self.bias[...]
+
+
+# XLA:CPU's bfloat16 x bfloat16 -> float32 matmul gives a row the same bits for any number of
+# rows from 3 on, but others (and slowly: a matrix-vector kernel) for 1 or 2 rows.
+MIN_ROWS = 3
+
+
+def with_min_rows(product, x: jax.Array) -> jax.Array:
+    """``product(x)`` for x [..., in] -> [..., out], computed on at least :data:`MIN_ROWS` rows
+    (x flattened to [rows, in], zero rows appended, then dropped), so that a bfloat16 product
+    of a decode step's single token equals that of the same token in a batch or a verify."""
+    lead, n = x.shape[:-1], int(np.prod(x.shape[:-1]))
+    if n >= MIN_ROWS:
+        return product(x)
+    padded = jnp.zeros((MIN_ROWS, x.shape[-1]), x.dtype).at[:n].set(x.reshape(n, -1))
+    return product(padded)[:n].reshape(*lead, -1)
 
 
 ACTIVATIONS = {"silu": jax.nn.silu,

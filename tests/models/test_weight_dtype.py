@@ -12,7 +12,7 @@ from flax import nnx
 import dspark_jax
 from dspark_jax.engine import Engine
 from dspark_jax.models import layer_weights
-from dspark_jax.models.layers import Linear
+from dspark_jax.models.layers import Linear, with_min_rows
 from dspark_jax.target import init_target
 
 from test_ragged import GEMMA4, QWEN3
@@ -109,3 +109,27 @@ def test_greedy_speculative_equals_greedy_autoregressive_with_bfloat16_weights(l
     ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, **kw)]
     sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, drafter=drafter, **kw)]
     assert sp == ar and any(len(t) > 1 for t in ar)
+
+
+
+def test_a_rows_bfloat16_product_does_not_depend_on_the_other_rows():
+    """XLA:CPU's bfloat16 matmul gives a row the same bits for any number of rows from 3 on,
+    but others for 1 or 2 rows (and runs slowest for 1); ``layers.with_min_rows`` pads a
+    product to ``MIN_ROWS`` rows, so a layer matrix and the LM head give a token the bits it
+    gets in any batch or verify."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 576)), jnp.float32)
+    linear = Linear(576, 1536, names=("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    linear.kernel.set_value(linear.kernel.get_value().astype(jnp.bfloat16))
+    head = jnp.asarray(rng.standard_normal((4096, 576)), jnp.bfloat16)  # [V, d], used transposed
+    products = {"linear": jax.jit(lambda x: linear(x)),
+                "head": jax.jit(lambda x: with_min_rows(
+                    lambda h: jnp.einsum("...d,dv->...v", h, head.T,
+                                         preferred_element_type=jnp.float32),
+                    x.astype(jnp.bfloat16)))}
+    for name, product in products.items():
+        every_row = np.asarray(product(x))
+        for rows in (1, 2, 3, 8):
+            np.testing.assert_array_equal(np.asarray(product(x[:rows])), every_row[:rows],
+                                          err_msg=f"{name}, {rows} rows")
+        np.testing.assert_array_equal(np.asarray(product(x[0])), every_row[0])  # no row axis
