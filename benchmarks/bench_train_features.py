@@ -8,10 +8,11 @@ as anchors per row grows 64, 128, 256, 512".
 
 (options: --config configs/dspark_smollm2_135m.py --data /work/data/smollm2_math --steps 10
 --warmup 1 --pack-length 512 --batch-size 4 --anchors 64 128 256 512 --feature-dir DIR
---feature-dtype float32 --output benchmarks/results/train_features.json)
+--feature-dtype float32 --compute-dtype bfloat16 --output benchmarks/results/train_features.json)
 
 Target: the config's (SmolLM2-135M-Instruct by default), in the training compute dtype
-(float32 on CPU, bfloat16 on accelerators); the drafter is the config's, randomly initialised
+(``train.compute_dtype``, or --compute-dtype: float32 on CPU, bfloat16 on accelerators by
+default); the drafter is the config's, randomly initialised
 (timings and memory do not depend on the values). Training settings are the config's
 (``global_batch_size`` rows of ``pack_length`` tokens with ``anchors_per_row`` anchor slots),
 with --batch-size / --pack-length overriding them, on a one-device mesh.
@@ -65,7 +66,9 @@ def setup(args):
         tcfg.pack_length = args.pack_length
     if args.batch_size:
         tcfg.global_batch_size = args.batch_size
-    target = load_target(config.target, dtype=compute_dtype())
+    if args.compute_dtype:
+        tcfg.compute_dtype = args.compute_dtype
+    target = load_target(config.target, dtype=compute_dtype(tcfg))
     drafter = init_drafter(target, config, seed=0)
     return config, target, drafter, tcfg
 
@@ -83,7 +86,7 @@ def make_step(target, drafter, tcfg):
     example = jax.eval_shape(lambda s: train_step.init_train_state(s, optimizer), drafter.state)
     step = train_step.make_train_step(
         drafter.graphdef, target.graphdef, tcfg, optimizer, mesh=mesh, state=example,
-        target_state=target.state, anchor_chunk=tcfg.anchor_chunk, compute_dtype=compute_dtype())
+        target_state=target.state, anchor_chunk=tcfg.anchor_chunk, compute_dtype=compute_dtype(tcfg))
     return step, lambda: train_step.init_train_state(drafter.state, optimizer, mesh)
 
 
@@ -158,7 +161,7 @@ def child_memory(args) -> None:
 def measure_memory(args, anchors: int, mode: str) -> dict:
     command = [sys.executable, __file__, "--child-anchors", str(anchors), "--child-mode", mode,
                "--config", str(args.config), "--feature-dtype", args.feature_dtype]
-    for flag in ("pack_length", "batch_size"):
+    for flag in ("pack_length", "batch_size", "compute_dtype"):
         if getattr(args, flag):
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -240,6 +243,8 @@ def main():
     parser.add_argument("--feature-dir", type=Path,
                         help="feature cache folder (default: a temporary one, deleted afterwards)")
     parser.add_argument("--feature-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
+                        help="the step's forward dtype (default: the config's train.compute_dtype)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode (compile)")
     parser.add_argument("--pack-length", type=int, help="tokens per row (default: the config's)")
@@ -258,6 +263,7 @@ def main():
     import jax
 
     from dspark_jax.training.features import extract_features
+    from dspark_jax.training.trainer import compute_dtype
 
     started = time.perf_counter()
     config, target, drafter, tcfg = setup(args)
@@ -281,7 +287,8 @@ def main():
                   f"{memory_cells(memory[-1])}", flush=True)
 
     lines = [
-        f"{config.target}, {jax.default_backend()}, {tcfg.global_batch_size} rows x "
+        f"{config.target}, {jax.default_backend()}, compute {compute_dtype(tcfg).name}, "
+        f"{tcfg.global_batch_size} rows x "
         f"{tcfg.pack_length} tokens, {tcfg.anchors_per_row} anchors/row, {args.steps} steps "
         f"alternating (after {args.warmup} warmup); cache {args.feature_dtype}, "
         f"{extraction['bytes'] / 2**20:.0f} MiB for {extraction['tokens']} tokens, extracted in "

@@ -232,7 +232,7 @@ def cmd_prepare_features(args) -> int:
         raise ValueError(f"{args.config} names no target: pass --target PATH (a local Hugging "
                          "Face folder, .gguf file or Orbax folder)")
     with jax.set_mesh(sharding.make_mesh(tuple(config.train.mesh_shape))):
-        target = load_target(config.target, dtype=compute_dtype())
+        target = load_target(config.target, dtype=compute_dtype(config.train))
         taps = config_tap_layer_ids(config, target)
         manifest = extract_features(target, args.data, args.output, taps, dtype=args.dtype,
                                     batch_size=args.batch_size)

@@ -63,6 +63,8 @@ DSPARK_TRAIN = dict(
     attention="",           # the attention kernels of the packed target forward and of the
                             # drafter (models/fused_attention.py): "" the backend's (splash /
                             # blockwise einsum on TPU, cuDNN on GPU, einsum on CPU)
+    compute_dtype="",       # the forward's dtype (trainer.compute_dtype): "" the backend's
+                            # (float32 on CPU, bfloat16 on accelerators), float32, bfloat16
     mesh_shape=(-1, 1, 1),  # (data, fsdp, tensor)
     seed=0,
     init_from="",           # a saved drafter to start from (a warm start: new optimizer and

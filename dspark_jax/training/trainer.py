@@ -35,9 +35,21 @@ from dspark_jax.training.heldout import HeldOut
 from dspark_jax.training.pipeline import batches_per_epoch, make_pipeline
 
 
-def compute_dtype():
-    """The forward dtype of training: float32 on CPU, bfloat16 on accelerators."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def compute_dtype(train_cfg) -> jnp.dtype:
+    """The forward dtype of training and feature extraction, ``train.compute_dtype``: "" the
+    backend's (float32 on CPU, bfloat16 on accelerators), or "float32" / "bfloat16" (e.g.
+    bfloat16 on a CPU with AMX, where its matmuls run about twice as fast; BENCHMARKS.md).
+    Master weights, softmaxes and losses stay float32 either way."""
+    name = train_cfg.get("compute_dtype", "")
+    if name == "":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"train.compute_dtype {name!r}: choose \"\" (the backend's) or one of "
+                         f"{', '.join(COMPUTE_DTYPES)}")
+    return jnp.dtype(name)
 
 
 def _folders(train_cfg, field: str) -> list[str]:
@@ -184,7 +196,7 @@ def train(config, workdir: storage.PathLike, *, progress: bool = True) -> Drafte
     workdir = storage.as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tcfg = config.train
-    dtype = compute_dtype()
+    dtype = compute_dtype(tcfg)
     mesh = sharding.make_mesh(tuple(tcfg.mesh_shape))
     with jax.set_mesh(mesh):
         target = load_target(config.target, dtype=dtype)

@@ -7,6 +7,10 @@
 #   START=bigram|reference CONFIG=configs/... bash ...              # a fresh drafter (compare.sh)
 #   LR=3e-4 bash launch/smollm2_campaign/train.sh ...             # peak learning rate (config's
 #                                                                 # train.learning_rate if unset)
+#   DTYPE=bfloat16 bash launch/smollm2_campaign/train.sh ...      # the step's forward dtype
+#       (train.compute_dtype; float32 on a CPU if unset): bfloat16 where the CPU has AMX
+#       (`grep amx_bf16 /proc/cpuinfo`), 1.7x faster steps there (BENCHMARKS.md); the feature
+#       caches are extracted in float32 and stored in bfloat16 either way
 #
 # 1. Freezes data/campaign (from `answers.py import` and `launch/regenerate_smollm2.sh`) into
 #    WORKDIR/data once (hard links: the data job may keep writing to data/campaign).
@@ -43,6 +47,9 @@ esac
 SCHEDULE=()
 if [ -n "${LR:-}" ]; then
   SCHEDULE=(--train.learning_rate="$LR")  # e.g. lower for a warm start than for a fresh drafter
+fi
+if [ -n "${DTYPE:-}" ]; then
+  SCHEDULE+=(--train.compute_dtype="$DTYPE")
 fi
 DOMAINS=(math code chat heldout_math heldout_code heldout_chat)
 for d in "${DOMAINS[@]}"; do

@@ -136,6 +136,16 @@ def test_bfloat16_compute_keeps_float32_gradients(models, loss_fn):
     np.testing.assert_allclose(loss, ref, rtol=5e-2)
 
 
+def test_compute_dtype_is_the_configs_or_the_backends():
+    from dspark_jax.training.trainer import compute_dtype
+
+    assert compute_dtype(ConfigDict(dict(compute_dtype=""))) == jnp.float32  # CPU's default
+    assert compute_dtype(ConfigDict(dict(compute_dtype="bfloat16"))) == jnp.bfloat16
+    assert compute_dtype(ConfigDict(dict(compute_dtype="float32"))) == jnp.float32
+    with pytest.raises(ValueError, match="train.compute_dtype 'float16'"):
+        compute_dtype(ConfigDict(dict(compute_dtype="float16")))
+
+
 def test_learning_rate_schedule():
     schedule = train_step.learning_rate_schedule(ConfigDict(dict(learning_rate=1.0, warmup_ratio=0.2)), 10)
     np.testing.assert_allclose([schedule(t) for t in (0, 1, 2, 6, 10, 12)], [0.5, 1, 1, 0.5, 0, 0],

@@ -185,6 +185,19 @@ def test_two_processes_run_the_same_steps(setup):
     assert sorted(steps) == [1, 2, 3] and all(np.isfinite(v) for v in steps.values())
 
 
+def test_bfloat16_compute_on_cpu(setup, uninterrupted, tmp_path):
+    """train.compute_dtype=bfloat16 runs the forward in bfloat16 on a CPU: the same batches give
+    losses close to, but not equal to, the float32 run's."""
+    _, config = setup
+    proc = run_train(config, tmp_path / "bf16", "--train.compute_dtype=bfloat16",
+                     "--train.max_steps=2", "--train.heldout_every=0")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    want, got = losses(uninterrupted), losses(tmp_path / "bf16")
+    assert got[1] != want[1]
+    np.testing.assert_allclose(got[1], want[1], rtol=5e-2)
+
+
 def test_epochs_count_the_packed_batches(setup):
     """Without max_steps, an epoch is the batches the packing pipeline yields for one pass over
     the 24 samples (rows of 96 tokens pack several), not ceil(24 / global_batch_size)."""
