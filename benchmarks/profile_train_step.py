@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--feature-dtype", default="bfloat16")
     parser.add_argument("--pack-length", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=0)
+    parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"),
+                        help="the step's forward dtype (default: the config's train.compute_dtype)")
     parser.add_argument("--group", action="store_true", help="sum ops that differ by suffix")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/dspark_profile_train"))
@@ -60,7 +62,8 @@ def main():
     args.workdir.mkdir(parents=True, exist_ok=True)
     (args.workdir / "train_step.hlo").write_text(hlo)
     print(f"{tcfg.global_batch_size} rows x {tcfg.pack_length} tokens, {tcfg.anchors_per_row} "
-          f"anchors per row, cached {args.feature_dtype} features: {seconds:.2f} s per step "
+          f"anchors per row, cached {args.feature_dtype} features, compute "
+          f"{tcfg.get('compute_dtype') or 'default'}: {seconds:.2f} s per step "
           "(traced); ms per step:")
     print("\n".join(op_table(trace_dir, hlo, args.steps, group=args.group, top=args.top)))
     print(f"trace: {trace_dir}\nHLO: {args.workdir / 'train_step.hlo'}")

@@ -237,6 +237,14 @@ class Decoder(nnx.Module):
         """The LM head [d, V] (the transposed embedding when tied)."""
         return self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
 
+    def lm_head_stored(self) -> tuple[jax.Array, str]:
+        """The LM head as it is held, with its einsum axes: the embedding [V, d] ("vd") when
+        tied, else [d, V] ("dv"). XLA:CPU multiplies a bfloat16 matrix in place only as it is
+        held: a transposed bfloat16 table is first converted to a float32 copy (BENCHMARKS.md)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...], "vd"
+        return self.lm_head[...], "dv"
+
     def lm_head_rows(self, vocab_ids: jax.Array) -> jax.Array:
         """The LM head's rows of the tokens ``vocab_ids`` int [V'] -> [V', d] (embedding rows
         when tied), for :meth:`logits` over those tokens only."""
@@ -249,18 +257,21 @@ class Decoder(nnx.Module):
         soft-capped by ``final_logit_softcapping`` when the config sets it); with ``head_rows``
         (:meth:`lm_head_rows` of V' tokens), only those tokens' logits [..., V']. A head held in
         another dtype than ``hidden`` (bfloat16 weights, ``layer_weights.with_dtype``)
-        multiplies ``hidden`` rounded to its dtype, on at least ``layers.MIN_ROWS`` rows."""
-        if head_rows is None:
-            head = self.lm_head_matrix()
-
-            def product(h):
-                return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
-
-            logits = (product(hidden) if head.dtype == hidden.dtype
-                      else with_min_rows(product, hidden.astype(head.dtype)))
+        multiplies ``hidden`` rounded to its dtype, on at least ``layers.MIN_ROWS`` rows, and is
+        read as it is held (:meth:`lm_head_stored`)."""
+        if head_rows is not None:
+            head, axes = head_rows, "vd"
         else:
-            logits = jnp.einsum("...d,vd->...v", hidden.astype(head_rows.dtype), head_rows,
-                                preferred_element_type=jnp.float32)
+            head, axes = self.lm_head_stored()
+            if head.dtype == jnp.float32:  # float32 multiplies the transposed table in place
+                head, axes = self.lm_head_matrix(), "dv"
+        subscripts = f"...d,{axes}->...v"
+
+        def product(h):
+            return jnp.einsum(subscripts, h, head, preferred_element_type=jnp.float32)
+
+        logits = (product(hidden) if head.dtype == hidden.dtype
+                  else with_min_rows(product, hidden.astype(head.dtype)))
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

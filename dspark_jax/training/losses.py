@@ -89,9 +89,9 @@ def _join_chunks(y: jax.Array, n: int) -> jax.Array:
     return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :n]
 
 
-def _vocab_terms(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
+def _vocab_terms(softcap, head_axes, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
     """Forward of :func:`vocab_loss` with the gradient of its loss: see there for shapes."""
-    z = jnp.einsum("nd,dv->nv", h, head, preferred_element_type=jnp.float32)
+    z = jnp.einsum(f"nd,{head_axes}->nv", h, head, preferred_element_type=jnp.float32)
     if softcap is not None:
         z = softcap * jnp.tanh(z / softcap)
         capped = z  # d z / d base = 1 - (z / cap)^2
@@ -108,23 +108,26 @@ def _vocab_terms(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
     g = (c_ce[:, None] * (p - onehot)
          + c_l1[:, None] * p * (sign - jnp.sum(p * sign, axis=-1, keepdims=True)))
     g_base = g if softcap is None else g * (1.0 - jnp.square(capped / softcap))
-    dh = jnp.einsum("nv,dv->nd", g_base.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    dh = jnp.einsum(f"nv,{head_axes}->nd", g_base.astype(head.dtype), head,
+                    preferred_element_type=jnp.float32)
     dlatent = jnp.einsum("nv,rv->nr", g.astype(w2.dtype), w2, preferred_element_type=jnp.float32)
     dw2 = jnp.einsum("nr,nv->rv", latent.astype(jnp.float32), g)
     loss = jnp.sum(c_ce * ce + c_l1 * l1)
     return (loss, ce, l1), (dh.astype(h.dtype), dlatent.astype(latent.dtype), dw2.astype(w2.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def vocab_loss(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def vocab_loss(softcap, head_axes, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
     """sum_n c_ce[n] CE[n] + c_l1[n] L1[n] over slots, and the per-slot CE and L1 (values only).
 
     Args:
       softcap: the target's final-logit soft-cap (static; None: off), applied to h @ head
         before the head's bias as in the target's and DeepSpec's logits.
+      head_axes: how ``head`` is held (static): "dv" for [d, V], "vd" for [V, d] (a tied
+        embedding as it is stored: ``Decoder.lm_head_stored``).
       h: [n, d] final-normed draft hidden states; latent: [n, r] the sequential head's latents
         (r = 0 without a head). Draft logits: cap(h @ head) + latent @ w2.
-      head: [d, V] the target's LM head (frozen: its cotangent is zero); w2: [r, V].
+      head: [d, V] or [V, d] the target's LM head (frozen: its cotangent is zero); w2: [r, V].
       t_logits: [n, V] the target's logits at the same slots (no gradient).
       labels: int [n]; c_ce, c_l1: float32 [n] the slots' loss weights (no gradient).
 
@@ -133,15 +136,15 @@ def vocab_loss(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
       computed in the forward pass, and the cotangents of ce and l1 are ignored (use them as
       values: metrics, the confidence label).
     """
-    return _vocab_terms(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1)[0]
+    return _vocab_terms(softcap, head_axes, h, latent, head, w2, t_logits, labels, c_ce, c_l1)[0]
 
 
-def _vocab_loss_fwd(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
+def _vocab_loss_fwd(softcap, head_axes, h, latent, head, w2, t_logits, labels, c_ce, c_l1):
     # The residuals are the three small gradient pieces only: nothing [n, V] is kept.
-    return _vocab_terms(softcap, h, latent, head, w2, t_logits, labels, c_ce, c_l1)
+    return _vocab_terms(softcap, head_axes, h, latent, head, w2, t_logits, labels, c_ce, c_l1)
 
 
-def _vocab_loss_bwd(softcap, grads, cotangents):
+def _vocab_loss_bwd(softcap, head_axes, grads, cotangents):
     dh, dlatent, dw2 = grads
     dloss = cotangents[0]
     # None: a zero cotangent for the frozen LM head, the target logits, labels and weights.
@@ -178,7 +181,7 @@ def chunked_vocab_terms(drafter: DSparkModel, target: Decoder, out: TrainOutput,
               else jnp.zeros(out.hidden.shape[:-1] + (0,), out.hidden.dtype))
     w2 = (head.markov_w2.kernel[...] if head is not None
           else jnp.zeros((0, drafter.model_config.vocab_size), out.hidden.dtype))
-    lm_head = target.lm_head_matrix()
+    lm_head, head_axes = target.lm_head_stored()
 
     def terms(xs):
         hidden, lat, labels, idx, wce, wl1 = xs
@@ -186,7 +189,7 @@ def chunked_vocab_terms(drafter: DSparkModel, target: Decoder, out: TrainOutput,
         t_hidden = jnp.take_along_axis(target_hidden, rows[..., None], axis=1)
         t_logits = target.logits(t_hidden)
         slots = idx.size
-        loss, ce, l1 = vocab_loss(target.config.final_logit_softcapping,
+        loss, ce, l1 = vocab_loss(target.config.final_logit_softcapping, head_axes,
                                   hidden.reshape(slots, -1), lat.reshape(slots, lat.shape[-1]),
                                   lm_head, w2, t_logits.reshape(slots, -1), labels.reshape(slots),
                                   wce.reshape(slots), wl1.reshape(slots))

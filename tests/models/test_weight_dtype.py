@@ -88,6 +88,27 @@ def test_bfloat16_weights_keep_the_logits_close():
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
+@pytest.mark.parametrize("config", [dict(QWEN3, tie_word_embeddings=True), UNTIED],
+                         ids=["tied", "untied"])
+def test_bfloat16_head_is_multiplied_as_stored(config):
+    """The LM head in bfloat16 is multiplied as it is held (the tied one as the embedding's
+    [V, d] rows): the compiled logits hold no float32 copy of it, which XLA:CPU otherwise
+    makes of a transposed bfloat16 table in every step."""
+    shape = dict(config, vocab_size=49152, hidden_size=576, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64, num_hidden_layers=1)  # SmolLM2's head
+    target = init_target(shape, seed=3)
+    state = target.inference_state("stacked", jnp.bfloat16)
+    hidden = jnp.ones((1, 576), jnp.float32)
+
+    def logits(state, hidden):
+        return nnx.merge(target.graphdef, state).logits(hidden)
+
+    hlo = jax.jit(logits).lower(state, hidden).compile().as_text()
+    assert "f32[49152,576]" not in hlo and "f32[576,49152]" not in hlo
+    np.testing.assert_allclose(logits(state, hidden), logits(target.state, hidden), rtol=0.02,
+                               atol=0.02 * float(jnp.abs(logits(target.state, hidden)).max()))
+
+
 def test_bfloat16_weights_read_in_place_on_one_cpu_for_any_number_of_slots():
     target = init_target(QWEN3, seed=3)
     assert layer_weights.default_layout(target.state, 64, jnp.bfloat16) == "unstacked"
@@ -122,10 +143,10 @@ def test_a_rows_bfloat16_product_does_not_depend_on_the_other_rows():
     x = jnp.asarray(rng.standard_normal((16, 576)), jnp.float32)
     linear = Linear(576, 1536, names=("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
     linear.kernel.set_value(linear.kernel.get_value().astype(jnp.bfloat16))
-    head = jnp.asarray(rng.standard_normal((4096, 576)), jnp.bfloat16)  # [V, d], used transposed
+    head = jnp.asarray(rng.standard_normal((4096, 576)), jnp.bfloat16)  # [V, d], tied
     products = {"linear": jax.jit(lambda x: linear(x)),
                 "head": jax.jit(lambda x: with_min_rows(
-                    lambda h: jnp.einsum("...d,dv->...v", h, head.T,
+                    lambda h: jnp.einsum("...d,vd->...v", h, head,
                                          preferred_element_type=jnp.float32),
                     x.astype(jnp.bfloat16)))}
     for name, product in products.items():
