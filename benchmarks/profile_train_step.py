@@ -44,6 +44,8 @@ def main():
 
     from bench_train_features import make_step, setup, synthetic_batch
 
+    from dspark_jax.training.trainer import compute_dtype
+
     _, target, drafter, tcfg = setup(args)
     step, fresh_state = make_step(target, drafter, tcfg)
     batch = synthetic_batch(target, drafter, tcfg.global_batch_size, tcfg.pack_length,
@@ -63,7 +65,7 @@ def main():
     (args.workdir / "train_step.hlo").write_text(hlo)
     print(f"{tcfg.global_batch_size} rows x {tcfg.pack_length} tokens, {tcfg.anchors_per_row} "
           f"anchors per row, cached {args.feature_dtype} features, compute "
-          f"{tcfg.get('compute_dtype') or 'default'}: {seconds:.2f} s per step "
+          f"{compute_dtype(tcfg).name}: {seconds:.2f} s per step "
           "(traced); ms per step:")
     print("\n".join(op_table(trace_dir, hlo, args.steps, group=args.group, top=args.top)))
     print(f"trace: {trace_dir}\nHLO: {args.workdir / 'train_step.hlo'}")
