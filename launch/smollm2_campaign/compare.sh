@@ -7,15 +7,21 @@
 #
 # DSpark takes the campaign's recipe (bigram-SVD Markov start), DFlash the same backbone
 # without the head (configs/dflash_smollm2_135m.py). Each run resumes from its own checkpoints,
-# so rerunning the script after an interruption continues where it stopped. Afterwards:
+# so rerunning the script after an interruption continues where it stopped. DRAFTERS=dspark or
+# DRAFTERS=dflash trains only that one (DFlash reads DSpark's data snapshot: DSpark first).
+# Afterwards:
 #   python benchmarks/learning_curve.py --workdir WORKDIR/dspark --label DSpark --offset 0 \
 #       --workdir WORKDIR/dflash --label DFlash --offset 0 --output benchmarks/results/compare_curve.json
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${1:-300}
 WORK=${2:-runs/compare}
-FEATURES=${FEATURES:-online} START=bigram CONFIG=configs/dspark_smollm2_135m.py \
-  bash launch/smollm2_campaign/train.sh "$STEPS" "$WORK/dspark"
+DRAFTERS=${DRAFTERS:-dspark dflash}
+if [[ " $DRAFTERS " == *" dspark "* ]]; then
+  FEATURES=${FEATURES:-online} START=bigram CONFIG=configs/dspark_smollm2_135m.py \
+    bash launch/smollm2_campaign/train.sh "$STEPS" "$WORK/dspark"
+fi
+[[ " $DRAFTERS " == *" dflash "* ]] || exit 0
 # DFlash reads DSpark's data snapshot and held-out features (the same taps).
 mkdir -p "$WORK/dflash"
 for shared in data features; do

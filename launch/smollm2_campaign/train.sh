@@ -7,6 +7,8 @@
 #   START=bigram|reference CONFIG=configs/... bash ...              # a fresh drafter (compare.sh)
 #   LR=3e-4 bash launch/smollm2_campaign/train.sh ...             # peak learning rate (config's
 #                                                                 # train.learning_rate if unset)
+#   BATCH=16 HELDOUT_EVERY=100 CHECKPOINT_EVERY=100 bash ...      # rows of 512 tokens per step
+#       (default the config's, 4), held-out curve and checkpoint intervals (defaults 50, 25)
 #   DTYPE=bfloat16 bash launch/smollm2_campaign/train.sh ...      # the step's forward dtype
 #       (train.compute_dtype; float32 on a CPU if unset): bfloat16 where the CPU has AMX
 #       (`grep amx_bf16 /proc/cpuinfo`), 1.7x faster steps there (BENCHMARKS.md); the feature
@@ -44,12 +46,15 @@ case $START in
   reference) INIT=(--train.markov_init=reference) ;;
   *) echo "START=$START: choose warm, bigram or reference" >&2; exit 2 ;;
 esac
-SCHEDULE=()
+OVERRIDES=()
 if [ -n "${LR:-}" ]; then
-  SCHEDULE=(--train.learning_rate="$LR")  # e.g. lower for a warm start than for a fresh drafter
+  OVERRIDES=(--train.learning_rate="$LR")  # e.g. lower for a warm start than for a fresh drafter
 fi
 if [ -n "${DTYPE:-}" ]; then
-  SCHEDULE+=(--train.compute_dtype="$DTYPE")
+  OVERRIDES+=(--train.compute_dtype="$DTYPE")
+fi
+if [ -n "${BATCH:-}" ]; then
+  OVERRIDES+=(--train.global_batch_size="$BATCH")
 fi
 DOMAINS=(math code chat heldout_math heldout_code heldout_chat)
 for d in "${DOMAINS[@]}"; do
@@ -69,9 +74,10 @@ if [ "${FEATURES:-cached}" = cached ]; then
   TRAIN_FEATURES=(--train.feature_dir="$(tuple features/math features/code features/chat)")
 fi
 dspark-jax train --config $CONFIG --workdir "$WORK" "${INIT[@]}" --train.max_steps="$STEPS" \
-  "${SCHEDULE[@]}" \
+  "${OVERRIDES[@]}" \
   --train.data_dir="$(tuple data/math data/code data/chat)" \
   "${TRAIN_FEATURES[@]}" \
   --train.heldout_dir="$(tuple data/heldout_math data/heldout_code data/heldout_chat)" \
   --train.heldout_feature_dir="$(tuple features/heldout_math features/heldout_code features/heldout_chat)" \
-  --train.heldout_batches=8 --train.heldout_every=50 --train.checkpoint_every=25
+  --train.heldout_batches=8 --train.heldout_every="${HELDOUT_EVERY:-50}" \
+  --train.checkpoint_every="${CHECKPOINT_EVERY:-25}"
