@@ -9,6 +9,7 @@
 #                                                                 # train.learning_rate if unset)
 #   BATCH=16 HELDOUT_EVERY=100 CHECKPOINT_EVERY=100 bash ...      # rows of 512 tokens per step
 #       (default the config's, 4), held-out curve and checkpoint intervals (defaults 50, 25)
+#   ARGS="--train.attention=einsum" bash ...                      # any other config overrides
 #   DTYPE=bfloat16 bash launch/smollm2_campaign/train.sh ...      # the step's forward dtype
 #       (train.compute_dtype; float32 on a CPU if unset): bfloat16 where the CPU has AMX
 #       (`grep amx_bf16 /proc/cpuinfo`), 1.7x faster steps there (BENCHMARKS.md); the feature
@@ -56,6 +57,8 @@ fi
 if [ -n "${BATCH:-}" ]; then
   OVERRIDES+=(--train.global_batch_size="$BATCH")
 fi
+read -r -a EXTRA <<< "${ARGS:-}"
+OVERRIDES+=("${EXTRA[@]}")
 DOMAINS=(math code chat heldout_math heldout_code heldout_chat)
 for d in "${DOMAINS[@]}"; do
   if [ ! -f "$WORK/data/$d/manifest.json" ]; then
