@@ -50,7 +50,7 @@ def _sps_table(args, target, drafter, prompts):
     return machine_sps_table(target, drafter, slots=len(prompts),
                              prompt_len=max(len(ids) for ids in encode_prompts(target, prompts)),
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, top_k=args.top_k)
+                             top_p=args.top_p, top_k=args.top_k, weight_dtype=args.weight_dtype)
 
 
 def cmd_generate(args) -> int:
@@ -92,7 +92,8 @@ def cmd_demo(args) -> int:
     from dspark_jax.demo import DEFAULT_PROMPTS, format_report, mismatches, run_demo
 
     rows = run_demo(args.model, args.drafter, args.prompt or DEFAULT_PROMPTS,
-                    max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+                    max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                    weight_dtype=args.weight_dtype)
     print(format_report(rows))
     failures = mismatches(rows)
     for line in failures:
@@ -439,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--repeats", type=int, default=2,
                       help="decodes of each prompt per way; each way keeps its fastest time")
+    demo.add_argument("--weight-dtype", choices=WEIGHT_DTYPES,
+                      help=WEIGHT_DTYPE_HELP + "; greedy outputs may then part at a near-tie, "
+                      "which the demo reports as a failure")
     demo.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="tau and acceptance of drafters on the benchmark prompts")

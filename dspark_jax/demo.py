@@ -68,7 +68,8 @@ def _decoded(result) -> Decoded:
 
 def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm2-135m",
              prompts: Sequence[str] = DEFAULT_PROMPTS, *, max_new_tokens: int = 128,
-             repeats: int = 2, sps=None, progress: bool = True) -> list[DemoRow]:
+             repeats: int = 2, sps=None, weight_dtype=None, progress: bool = True
+             ) -> list[DemoRow]:
     """Greedy autoregressive, full-block and production-scheduled decoding of each prompt
     alone (batch 1).
 
@@ -77,6 +78,9 @@ def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm
         time, and a way whose tokens change between repeats is reported by :func:`mismatches`.
       sps: the production scheduler's steps/s table by forward tokens; default this machine's
         profile for one request (``engine.machine_sps_table``, cached after the first run).
+      weight_dtype: the target's weight matrices in this dtype in every way (``generate``'s),
+        e.g. bfloat16 on a CPU with AMX; greedy outputs may then part at a near-tie (README),
+        which :func:`mismatches` reports.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -85,12 +89,15 @@ def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm
     if sps is None:
         longest = max(len(ids) for ids in encode_prompts(target, prompts))
         sps = machine_sps_table(target, draft, slots=1, prompt_len=longest,
-                                max_new_tokens=max_new_tokens)
+                                max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
+
     def decode(way):
         if way == "autoregressive":
-            return generate(target, [prompt], max_new_tokens=max_new_tokens)[0]
+            return generate(target, [prompt], max_new_tokens=max_new_tokens,
+                            weight_dtype=weight_dtype)[0]
         return generate(target, [prompt], max_new_tokens=max_new_tokens, drafter=draft, verify=way,
-                        verify_params={"sps": sps} if way == "production" else None)[0]
+                        verify_params={"sps": sps} if way == "production" else None,
+                        weight_dtype=weight_dtype)[0]
 
     rows = []
     for prompt in tqdm(prompts, desc="demo", unit="prompt", disable=not progress):

@@ -245,14 +245,16 @@ def _shardings(state) -> tuple:
 
 
 def machine_sps_table(target, drafter, *, slots: int, prompt_len: int, max_new_tokens: int,
-                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                      weight_dtype=None) -> np.ndarray:
     """This machine's steps/s table float32 [slots * (P + 1) + 1] by forward tokens, for
     ``slots`` requests of prompts up to ``prompt_len`` tokens and ``max_new_tokens``: the
     profile of the engine's round (:meth:`Engine.profile_sps`, cache rows rounded up to a
-    multiple of 256 so that similar runs share it), measured once per key and then read from
-    the cache."""
+    multiple of 256 so that similar runs share it; ``weight_dtype`` as the engine's), measured
+    once per key and then read from the cache."""
     cache = prompt_bucket(prompt_len) + max_new_tokens + drafter.num_proposals + 1
-    engine = Engine(target, drafter, slots=slots, max_len=-(-cache // 256) * 256)
+    engine = Engine(target, drafter, slots=slots, max_len=-(-cache // 256) * 256,
+                    weight_dtype=weight_dtype)
     return engine.profile_sps(temperature=temperature, top_p=top_p, top_k=top_k).table()
 
 
