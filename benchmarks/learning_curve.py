@@ -10,7 +10,7 @@ one epoch of the held-out folders, the same anchors at every evaluation) and ``m
 may be gone (an earlier machine's), before them. Prints a Markdown table per run (held-out tau_probabilistic, accept_rate@0,
 @1, @3, and tau with the Markov head zeroed, W2 = 0, where the run has one) and writes
 ``benchmarks/results/learning_curve.json`` and ``.png`` (held-out tau and tau with W2 = 0 against
-steps; training-batch tau behind them; below, each run's held-out acceptance by block
+steps; training-batch tau behind them; beside, each run's held-out acceptance by block
 position at its last evaluation, the suffix decay, with the fall from position 1 to 6).
 """
 
@@ -92,30 +92,38 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, by_position) = plt.subplots(2, 1, figsize=(11, 8), height_ratios=(3, 2))
+    from matplotlib.lines import Line2D
+
+    # One color per run, named once in the figure's legend below the plots; the marker says
+    # what a curve is (the key in the upper plot).
+    legend_in = 0.17 * len(runs) + 0.3  # inches below the plots for the runs' names
+    fig, (ax, by_position) = plt.subplots(1, 2, figsize=(13, 4.5 + legend_in), width_ratios=(2, 1))
+    handles = []
     for i, (label, run) in enumerate(runs.items()):
         color = f"C{i}"
         steps = [r["step"] for r in run["heldout"]]
-        ax.plot(steps, [r["tau_probabilistic"] for r in run["heldout"]], "o-", color=color,
-                label=f"{label}: held-out")
+        handles += ax.plot(steps, [r["tau_probabilistic"] for r in run["heldout"]], "o-",
+                           color=color, markersize=4, label=label)
         zero = [(r["step"], r["w2_zero"]["tau_probabilistic"]) for r in run["heldout"] if "w2_zero" in r]
         if zero:
-            ax.plot(*zip(*zero), "s--", color=color, alpha=0.7, label=f"{label}: held-out, W2 = 0")
+            ax.plot(*zip(*zero), "s--", color=color, markersize=3, alpha=0.7)
         if run["train"]:
-            ax.plot(*zip(*run["train"]), color=color, alpha=0.25, label=f"{label}: training batches")
+            ax.plot(*zip(*run["train"]), color=color, alpha=0.2, linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("tau_probabilistic (teacher-forced, block 7)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves
+    ax.legend(handles=[Line2D([], [], color="gray", marker="o", label="held-out"),
+                       Line2D([], [], color="gray", marker="s", linestyle="--", label="held-out, W2 = 0"),
+                       Line2D([], [], color="gray", alpha=0.4, label="training batches")],
+              fontsize=8, loc="upper left")
     for i, (label, (step, accept)) in enumerate(last.items()):
-        by_position.plot(range(1, len(accept) + 1), accept, "o-", color=f"C{i}",
-                         label=f"{label}, step {step}")
+        by_position.plot(range(1, len(accept) + 1), accept, "o-", color=f"C{i}", markersize=4)
     by_position.set_xlabel("block position")
-    by_position.set_ylabel("held-out acceptance (teacher-forced)")
+    by_position.set_ylabel("held-out acceptance, last evaluation")
     by_position.set_ylim(bottom=0)
     by_position.grid(alpha=0.3)
-    by_position.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower left", fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, legend_in / (4.5 + legend_in), 1, 1))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out.with_suffix(".png"), dpi=120)
