@@ -92,12 +92,11 @@ def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm
                                 max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
 
     def decode(way):
+        common = dict(max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
         if way == "autoregressive":
-            return generate(target, [prompt], max_new_tokens=max_new_tokens,
-                            weight_dtype=weight_dtype)[0]
-        return generate(target, [prompt], max_new_tokens=max_new_tokens, drafter=draft, verify=way,
-                        verify_params={"sps": sps} if way == "production" else None,
-                        weight_dtype=weight_dtype)[0]
+            return generate(target, [prompt], **common)[0]
+        return generate(target, [prompt], drafter=draft, verify=way,
+                        verify_params={"sps": sps} if way == "production" else None, **common)[0]
 
     rows = []
     for prompt in tqdm(prompts, desc="demo", unit="prompt", disable=not progress):
