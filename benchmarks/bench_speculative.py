@@ -10,6 +10,7 @@ little)."
 
 (options: --drafter PATH --batches 1 8 --temperature 0 --max-new-tokens 64 --repeats 15
 --warmup 1 --context-extra 32 --layer-weights stacked|unstacked --weight-dtype bfloat16
+--draft-weight-dtype bfloat16
 --output benchmarks/results/speculative.json)
 
 Target: SmolLM2-135M-Instruct (``load_target``, the backend's default dtype: float32 on CPU).
@@ -110,6 +111,9 @@ def main():
     parser.add_argument("--weight-dtype", choices=["bfloat16"],
                         help="the target's weight matrices in this dtype, in both engines and the "
                              "isolated steps (Engine(weight_dtype=); default: as loaded)")
+    parser.add_argument("--draft-weight-dtype", choices=["bfloat16"],
+                        help="the drafter's weight matrices in this dtype in the engine and the "
+                             "isolated draft step (Engine(draft_weight_dtype=); default: as loaded)")
     parser.add_argument("--layer-weights", choices=["stacked", "unstacked"],
                         help="layout of the target's layer weights in every program "
                              "(Target.inference_state; default: the engine's for the batch)")
@@ -155,7 +159,8 @@ def main():
     # -- isolated steps -------------------------------------------------------------------------
     verify = verify_step(target, taps_ids)
     draft = draft_step(target)
-    vocab = engine_lib.draft_vocab(target, drafter)  # None without a draft_vocab.json
+    vocab = engine_lib.draft_vocab(target, drafter, args.draft_weight_dtype)  # None: no draft_vocab.json
+    d_state = drafter.inference_state(args.draft_weight_dtype)
     prefill = prefill_step(target, taps_ids)
 
     def random_cache(cache):
@@ -200,7 +205,7 @@ def main():
             return logits, taps
 
         def run_draft():
-            sample, state["d_cache"] = draft(drafter.graphdef, drafter.state, t_state,
+            sample, state["d_cache"] = draft(drafter.graphdef, d_state, t_state,
                                              state["d_cache"], ctx_taps, ctx_pos, anchor, apos,
                                              key, params.temperature, params.top_p,
                                              params.top_k, vocab)
@@ -237,7 +242,7 @@ def main():
         kwargs = dict(max_new_tokens=n_max, temperature=args.temperature, seed=args.seed,
                       layer_weights=args.layer_weights, weight_dtype=args.weight_dtype)
         if spec:
-            kwargs.update(drafter=drafter, verify="full")
+            kwargs.update(drafter=drafter, verify="full", draft_weight_dtype=args.draft_weight_dtype)
         key = (spec, len(ids), prompt_bucket(max(len(p) for p in ids)))
         compile_s = 0.0
         if args.warmup and key not in warmed:
@@ -372,6 +377,7 @@ def main():
         engine_repeats=args.engine_repeats,
         context_extra=args.context_extra, seed=args.seed, layer_weights=args.layer_weights or "default",
         weight_dtype=args.weight_dtype or np.dtype(target.dtype).name,
+        draft_weight_dtype=args.draft_weight_dtype or np.dtype(drafter.dtype).name,
         machine=f"{platform.machine()} {cpu_name()}", cpus=os.cpu_count(),
         load_average_start=load_start, load_average_end=list(os.getloadavg()),
         jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), command=command_line(__file__),

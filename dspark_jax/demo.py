@@ -68,8 +68,8 @@ def _decoded(result) -> Decoded:
 
 def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm2-135m",
              prompts: Sequence[str] = DEFAULT_PROMPTS, *, max_new_tokens: int = 128,
-             repeats: int = 2, sps=None, weight_dtype=None, progress: bool = True
-             ) -> list[DemoRow]:
+             repeats: int = 2, sps=None, weight_dtype=None, draft_weight_dtype="bfloat16",
+             progress: bool = True) -> list[DemoRow]:
     """Greedy autoregressive, full-block and production-scheduled decoding of each prompt
     alone (batch 1).
 
@@ -81,6 +81,9 @@ def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm
       weight_dtype: the target's weight matrices in this dtype in every way (``generate``'s),
         e.g. bfloat16 on a CPU with AMX; greedy outputs may then part at a near-tie (README),
         which :func:`mismatches` reports.
+      draft_weight_dtype: the drafter's weight matrices in this dtype (``generate``'s; default
+        bfloat16: a faster draft step where bfloat16 matmuls are fast, the same tokens; None or
+        "float32": as loaded).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -89,14 +92,16 @@ def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm
     if sps is None:
         longest = max(len(ids) for ids in encode_prompts(target, prompts))
         sps = machine_sps_table(target, draft, slots=1, prompt_len=longest,
-                                max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
+                                max_new_tokens=max_new_tokens, weight_dtype=weight_dtype,
+                                draft_weight_dtype=draft_weight_dtype)
 
     def decode(way):
         common = dict(max_new_tokens=max_new_tokens, weight_dtype=weight_dtype)
         if way == "autoregressive":
             return generate(target, [prompt], **common)[0]
         return generate(target, [prompt], drafter=draft, verify=way,
-                        verify_params={"sps": sps} if way == "production" else None, **common)[0]
+                        verify_params={"sps": sps} if way == "production" else None,
+                        draft_weight_dtype=draft_weight_dtype, **common)[0]
 
     rows = []
     for prompt in tqdm(prompts, desc="demo", unit="prompt", disable=not progress):

@@ -24,6 +24,7 @@ from dspark_jax.checkpoints.errors import CheckpointError
 from dspark_jax.checkpoints import calibration_file as calibration
 from dspark_jax.checkpoints import draft_vocab_file
 from dspark_jax.drafter_config import FIELDS, check_fit, default_drafter_config
+from dspark_jax.models import layer_weights
 from dspark_jax.models.drafter import DSparkModel, first_proposal_slot
 from dspark_jax.target import Target
 
@@ -54,6 +55,21 @@ class Drafter:
         self.calibration_fit = None
         self.draft_vocab = None
         self.draft_vocab_source = None
+        self._layouts = layer_weights.Layouts(("layers",), matrices=(("fc", "kernel"),))
+
+    def inference_state(self, weight_dtype=None) -> nnx.State:
+        """The state that decoding programs take: :attr:`state`, or with ``weight_dtype`` (e.g.
+        bfloat16 under a float32 drafter) its layers' and context projection's matrices in that
+        dtype, each matmul rounding its input to it and accumulating in the parameter dtype
+        (``layer_weights.with_dtype``), the layer matrices held one array per layer on one CPU
+        device (``layer_weights.default_layout`` for a block's rows: XLA:CPU multiplies a
+        bfloat16 matrix fast only in place). The draft law changes in its last bits; rejection
+        sampling keeps the output law, and greedy outputs, exact for any draft law. Made once
+        per :attr:`state` and dtype, as ``Target.inference_state``."""
+        if weight_dtype is None or jnp.dtype(weight_dtype) == self.dtype:
+            return self.state
+        layout = layer_weights.default_layout(self.state, self.config.block_size, weight_dtype)
+        return self._layouts.get(self.state, layout, weight_dtype)
 
     @property
     def num_proposals(self) -> int:

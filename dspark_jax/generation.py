@@ -37,7 +37,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
              drafter=None, verify="full", verify_params: dict | None = None,
              buckets: Sequence[int] | None = None, record: bool = False,
              max_batch: int | None = None, progress=None,
-             layer_weights: str | None = None, weight_dtype=None) -> list[GenerationResult]:
+             layer_weights: str | None = None, weight_dtype=None,
+             draft_weight_dtype=None) -> list[GenerationResult]:
     """Generates continuations of prompts.
 
     Args:
@@ -64,6 +65,9 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
         "unstacked" (``Engine``; None: ``layer_weights.default_layout`` for the rows).
       weight_dtype: the target's weight matrices in this dtype, e.g. bfloat16 under a float32
         target (multiplied in bfloat16, accumulated in float32; ``Engine``); None: as loaded.
+      draft_weight_dtype: the drafter's weight matrices in this dtype (``Engine``): a faster
+        draft step where bfloat16 matmuls are fast, the same outputs (greedy: the same tokens);
+        None: as loaded.
 
     Returns:
       One GenerationResult per prompt, in order. ``stats`` holds new_tokens, prompt_tokens,
@@ -86,7 +90,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     engine = Engine(target, drafter, slots=rows, max_len=max_len, policy=verify,
                     policy_params=verify_params, buckets=buckets, seed=seed,
                     record_rounds=max_new_tokens if record and drafter is not None else 0,
-                    layer_weights=layer_weights, weight_dtype=weight_dtype)
+                    layer_weights=layer_weights, weight_dtype=weight_dtype,
+                    draft_weight_dtype=draft_weight_dtype)
     requests = [engine.submit(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k) for ids in encoded]
     start = time.perf_counter()

@@ -179,7 +179,7 @@ def test_draft_vocab_writes_the_most_frequent_answer_tokens(tmp_path, capsys):
 
 def test_sps_auto_profiles_the_engine_that_decodes(monkeypatch):
     """`generate --sps auto` measures the steps/s of the engine it then decodes with: the same
-    sampling and weight dtype (a bfloat16 engine's verify costs are another curve), through an
+    sampling and weight dtypes (a bfloat16 engine's verify costs are another curve), through an
     Engine built with them."""
     from types import SimpleNamespace
 
@@ -199,8 +199,9 @@ def test_sps_auto_profiles_the_engine_that_decodes(monkeypatch):
     monkeypatch.setattr(engine_lib, "Engine", FakeEngine)
     monkeypatch.setattr(prompts_lib, "encode_prompts", lambda target, prompts: [[1, 2, 3]] * len(prompts))
     args = SimpleNamespace(sps="auto", max_new_tokens=8, temperature=0.5, top_p=0.9, top_k=4,
-                           weight_dtype="bfloat16")
+                           weight_dtype="bfloat16", draft_weight_dtype="bfloat16")
     drafter = SimpleNamespace(num_proposals=6)
     assert cli._sps_table(args, "target", drafter, ["p", "q"]) == [1.0, 0.9]
-    assert seen["engine"] == dict(slots=2, max_len=256, weight_dtype="bfloat16")
+    assert seen["engine"] == dict(slots=2, max_len=256, weight_dtype="bfloat16",
+                                  draft_weight_dtype="bfloat16")
     assert seen["sampling"] == dict(temperature=0.5, top_p=0.9, top_k=4)

@@ -38,13 +38,14 @@ def test_each_way_keeps_its_fastest_repeat_and_reports_changed_tokens(monkeypatc
     repeat's, and tokens that change between repeats fail the demo."""
     from types import SimpleNamespace
 
-    calls, dtypes = [], []
+    calls, dtypes, draft_dtypes = [], [], []
     walls = {"autoregressive": [3.0, 2.0], "full": [1.0, 4.0], "production": [5.0, 1.5]}
     drift = {"production": True}  # its second repeat emits other tokens
 
     def fake_generate(target, prompts, max_new_tokens, drafter=None, verify=None, verify_params=None,
-                      weight_dtype=None):
+                      weight_dtype=None, draft_weight_dtype=None):
         dtypes.append(weight_dtype)
+        draft_dtypes.append(draft_weight_dtype)
         way = verify or "autoregressive"
         repeat = sum(c == way for c in calls)
         calls.append(way)
@@ -61,6 +62,7 @@ def test_each_way_keeps_its_fastest_repeat_and_reports_changed_tokens(monkeypatc
                            progress=False)
     assert calls == ["autoregressive", "full", "production"] * 2
     assert dtypes == ["bfloat16"] * 6  # the demo's weight dtype reaches every way
+    assert draft_dtypes == [None, "bfloat16", "bfloat16"] * 2  # bfloat16 drafter matrices
     assert (row.ar.wall_s, row.spec["full"].wall_s, row.spec["production"].wall_s) == (2.0, 1.0, 1.5)
     assert row.answer == "one two three" and row.spec["production"].token_ids == [1, 2, 3]
     assert demo.mismatches([row]) == ["prompt 1, production: the tokens changed between the demo's repeats"]

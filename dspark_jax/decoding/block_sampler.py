@@ -16,7 +16,9 @@ as FR-Spec and EAGLE-3 draft, with the LM head rows and head columns of those to
 once) restricts the drafter's LM head and the head's bias to those tokens, so the draft step
 reads V'/V of the vocabulary matrix. The draft law q is then the renormalised
 law over the V' tokens, zero elsewhere; rejection sampling is exact for any q, so the output
-law is unchanged (a target token outside the V' is only ever emitted by the correction).
+law is unchanged (a target token outside the V' is only ever emitted by the correction). The
+block keeps q over the V' columns only (a greedy verify never reads it); a sampled verify
+widens it to the vocabulary with :func:`full_vocab_probs`.
 
 Shapes: b rows, P proposal slots, d hidden size, V vocabulary, V' draft vocabulary.
 """
@@ -50,15 +52,23 @@ def gather_draft_vocab(drafter, target, ids: jax.Array) -> DraftVocab:
 
 class BlockSample(NamedTuple):
     tokens: jax.Array  # int32 [b, P] drafted tokens
-    probs: jax.Array  # float32 [b, P, V] the exact row q_k each token was sampled from
+    probs: jax.Array  # float32 [b, P, V or V'] the exact row q_k each token was sampled from
     confidence: jax.Array | None  # float32 [b, P] confidence logits (None without the head)
+
+
+def full_vocab_probs(probs: jax.Array, draft_vocab: DraftVocab | None, vocab_size: int) -> jax.Array:
+    """Draft rows [..., V'] over a draft vocabulary's tokens as rows [..., V] over the whole
+    vocabulary (zero at every other token); rows without a draft vocabulary as they are."""
+    if draft_vocab is None:
+        return probs
+    return jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., draft_vocab.ids].set(probs)
 
 
 def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | None,
                  confidence_with_markov: bool, hidden: jax.Array, base_logits: jax.Array,
                  anchor_tokens: jax.Array, key: jax.Array, temperature: jax.Array | float = 1.0,
                  top_p: jax.Array | float = 1.0, top_k: jax.Array | int = 0,
-                 draft_vocab: DraftVocab | None = None, vocab_size: int | None = None) -> BlockSample:
+                 draft_vocab: DraftVocab | None = None) -> BlockSample:
     """Samples one block of draft tokens.
 
     Args:
@@ -72,15 +82,13 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
       temperature, top_p, top_k: scalars or [b] arrays (see ``sampling.sampling_probs``),
         applied to the V' logits under a draft vocabulary.
       draft_vocab: the draft vocabulary, or None (all V).
-      vocab_size: V, the width of ``probs`` under a draft vocabulary.
 
     Returns:
       BlockSample(tokens [b, P], probs [b, P, V], confidence [b, P] or None); under a draft
-      vocabulary the tokens are among ``draft_vocab.ids`` and probs is zero at every other token.
+      vocabulary the tokens are among ``draft_vocab.ids`` and probs is [b, P, V'], column i the
+      probability of token ``draft_vocab.ids[i]`` (:func:`full_vocab_probs` widens it).
     """
     batch = anchor_tokens.shape[0]
-    if draft_vocab is not None and vocab_size is None:
-        raise ValueError("a draft vocabulary needs vocab_size, the width of the probability rows")
     state = (jnp.zeros((batch, 0), jnp.float32) if head is None else head.init_state((batch,)))
     columns = None if draft_vocab is None else draft_vocab.bias_columns
 
@@ -104,10 +112,7 @@ def sample_block(*, head: MarkovHead | None, confidence_head: ConfidenceHead | N
     xs = (jnp.arange(hidden.shape[1]), jnp.moveaxis(hidden, 1, 0), jnp.moveaxis(base_logits, 1, 0))
     _, (tokens, probs, confidence) = jax.lax.scan(
         step, (state, anchor_tokens.astype(jnp.int32)), xs)
-    probs = jnp.moveaxis(probs, 0, 1)  # [b, P, V or V']
-    if draft_vocab is not None:
-        probs = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype).at[..., draft_vocab.ids].set(probs)
-    return BlockSample(tokens.T, probs, None if confidence_head is None else confidence.T)
+    return BlockSample(tokens.T, jnp.moveaxis(probs, 0, 1), None if confidence_head is None else confidence.T)
 
 
 def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array, key: jax.Array,
@@ -128,8 +133,7 @@ def sample_draft(drafter, target, *, hidden: jax.Array, anchor_tokens: jax.Array
                         hidden=proposal, base_logits=target.logits(
                             proposal, None if draft_vocab is None else draft_vocab.lm_head_rows),
                         anchor_tokens=anchor_tokens, key=key, temperature=temperature,
-                        top_p=top_p, top_k=top_k, draft_vocab=draft_vocab,
-                        vocab_size=target.config.vocab_size)
+                        top_p=top_p, top_k=top_k, draft_vocab=draft_vocab)
 
 
 def block_confidences(block: BlockSample, temperatures: jax.Array) -> jax.Array:

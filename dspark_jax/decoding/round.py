@@ -39,7 +39,8 @@ from flax import struct
 
 from dspark_jax import sharding
 from dspark_jax.decoding import rejection
-from dspark_jax.decoding.block_sampler import DraftVocab, block_confidences, sample_draft
+from dspark_jax.decoding.block_sampler import (DraftVocab, block_confidences, full_vocab_probs,
+                                              sample_draft)
 from dspark_jax.decoding.sampling import (GREEDY_TEMPERATURE, SamplingParams, argmax, is_eos,
                                           sample, sampling_probs, split_key)
 from dspark_jax.models.kv_cache import KVCache
@@ -91,7 +92,8 @@ class Slots:
     max_new: jax.Array  # int32 [S] the request's max_new_tokens
     output: jax.Array  # int32 [S, M] tokens emitted so far (entries past `generated`: stale)
     block_tokens: jax.Array  # int32 [S, P] drafted proposal
-    block_probs: jax.Array  # float32 [S, P, V] the rows the proposals were drawn from
+    block_probs: jax.Array  # float32 [S, P, V] the rows the proposals were drawn from ([S, P, V']
+    #                         over a draft vocabulary's tokens: block_sampler.full_vocab_probs)
     confidence: jax.Array  # float32 [S, P] per-step confidences c_k of the block
     confidence_logits: jax.Array  # float32 [S, P] their raw z_k (0 without a confidence head)
     history: jax.Array  # float32 [2, S, P] confidences of the blocks verified two rounds and one
@@ -104,6 +106,7 @@ class Slots:
     @classmethod
     def empty(cls, slots: int, proposals: int, vocab: int, output_len: int, key: jax.Array,
               record_rounds: int = 0) -> "Slots":
+        """vocab: the width of the draft rows, V or a draft vocabulary's V'."""
         zeros = jnp.zeros((slots,), jnp.int32)
         conf = jnp.zeros((slots, proposals), jnp.float32)
         return cls(jnp.zeros((slots,), bool), zeros, zeros, zeros, zeros,
@@ -219,8 +222,8 @@ def emit_round(draft_tokens: jax.Array, verdict: rejection.VerifyResult, active:
 
 def _draft(target, drafter, *, taps, positions, cache, anchor, anchor_pos, key,
            sampling: SamplingParams, temperatures, draft_vocab):
-    """The next block of every row: (draft cache, tokens [b, P], probs [b, P, V], confidences
-    [b, P], raw confidence logits [b, P]); ``draft_vocab`` as in ``block_sampler``."""
+    """The next block of every row: (draft cache, tokens [b, P], probs [b, P, V or V'],
+    confidences [b, P], raw confidence logits [b, P]); ``draft_vocab`` as in ``block_sampler``."""
     drafted = drafter.draft(target, ctx_taps=taps, ctx_positions=positions, cache=cache,
                             anchor_tokens=anchor, anchor_positions=anchor_pos)
     block = sample_draft(drafter, target, hidden=drafted.hidden, anchor_tokens=anchor, key=key,
@@ -357,7 +360,8 @@ def verify_round(target, drafter, slots: Slots, caches: Caches, proposal_len: ja
                           else jnp.minimum(rows[:size], num_slots - 1))
                 probs = sampling_probs(logits, sampling.temperature[row_of],
                                        sampling.top_p[row_of], sampling.top_k[row_of])
-                return rejection.rejection_sample(k_verify, slots.block_tokens, slots.block_probs,
+                draft_probs = full_vocab_probs(slots.block_probs, draft_vocab, logits.shape[-1])
+                return rejection.rejection_sample(k_verify, slots.block_tokens, draft_probs,
                                                   to_slots(probs), proposal_len)
 
             def greedy():

@@ -226,16 +226,20 @@ def clear_compiled_programs() -> None:
     _PROGRAMS.clear()
 
 
-def draft_vocab(target, drafter) -> block_sampler.DraftVocab | None:
+def draft_vocab(target, drafter, weight_dtype=None) -> block_sampler.DraftVocab | None:
     """The drafter's draft vocabulary (``Drafter.draft_vocab``) with its tokens' LM head rows
-    and head columns, gathered once (an engine does at creation, for all its programs); None
-    without a drafter or a draft vocabulary."""
+    (in ``weight_dtype``, the drafter's weight dtype; None: the target's) and head columns,
+    gathered once (an engine does at creation, for all its programs); None without a drafter
+    or a draft vocabulary."""
     if drafter is None or drafter.draft_vocab is None:
         return None
 
     def gather(target_state, drafter_state, ids):
-        return block_sampler.gather_draft_vocab(nnx.merge(drafter.graphdef, drafter_state),
-                                                nnx.merge(target.graphdef, target_state), ids)
+        vocab = block_sampler.gather_draft_vocab(nnx.merge(drafter.graphdef, drafter_state),
+                                                 nnx.merge(target.graphdef, target_state), ids)
+        if weight_dtype is None:
+            return vocab
+        return vocab._replace(lm_head_rows=vocab.lm_head_rows.astype(weight_dtype))
 
     return jax.jit(gather)(target.state, drafter.state, jnp.asarray(drafter.draft_vocab))
 
@@ -246,15 +250,15 @@ def _shardings(state) -> tuple:
 
 def machine_sps_table(target, drafter, *, slots: int, prompt_len: int, max_new_tokens: int,
                       temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                      weight_dtype=None) -> np.ndarray:
+                      weight_dtype=None, draft_weight_dtype=None) -> np.ndarray:
     """This machine's steps/s table float32 [slots * (P + 1) + 1] by forward tokens, for
     ``slots`` requests of prompts up to ``prompt_len`` tokens and ``max_new_tokens``: the
     profile of the engine's round (:meth:`Engine.profile_sps`, cache rows rounded up to a
-    multiple of 256 so that similar runs share it; ``weight_dtype`` as the engine's), measured
-    once per key and then read from the cache."""
+    multiple of 256 so that similar runs share it; ``weight_dtype``, ``draft_weight_dtype`` as
+    the engine's), measured once per key and then read from the cache."""
     cache = prompt_bucket(prompt_len) + max_new_tokens + drafter.num_proposals + 1
     engine = Engine(target, drafter, slots=slots, max_len=-(-cache // 256) * 256,
-                    weight_dtype=weight_dtype)
+                    weight_dtype=weight_dtype, draft_weight_dtype=draft_weight_dtype)
     return engine.profile_sps(temperature=temperature, top_p=top_p, top_k=top_k).table()
 
 
@@ -278,13 +282,15 @@ class Engine:
       weight_dtype: the dtype of the target's weight matrices in the programs, e.g. bfloat16
         under a float32 target: each matmul multiplies in bfloat16 and accumulates in float32
         (``layer_weights.with_dtype``; one more copy of the matrices); None: the target's own.
-        The drafter keeps its dtype.
+      draft_weight_dtype: likewise for the drafter's matrices (``Drafter.inference_state``) and
+        its draft vocabulary's LM head rows; None: the drafter's own. Outputs stay exact: it
+        changes only the draft law, which rejection sampling corrects.
     """
 
     def __init__(self, target, drafter=None, *, slots: int, max_len: int, policy="full",
                  policy_params: dict | None = None, buckets: Sequence[int] | None = None,
                  seed: int = 0, record_rounds: int = 0, layer_weights: str | None = None,
-                 weight_dtype=None):
+                 weight_dtype=None, draft_weight_dtype=None):
         if drafter is not None and drafter.target is not target:
             raise ValueError("the drafter was built for another target object")
         if slots < 1 or max_len < 2:
@@ -295,6 +301,9 @@ class Engine:
         self.layer_weights = layer_weights or layer_weights_lib.default_layout(
             target.state, slots, self.weight_dtype)
         self._target_state()  # checks the names, makes the copy now
+        self.draft_weight_dtype = (None if drafter is None or draft_weight_dtype is None
+                                   or jnp.dtype(draft_weight_dtype) == drafter.dtype
+                                   else jnp.dtype(draft_weight_dtype))
         self.num_slots, self.max_len = slots, max_len
         self.num_proposals = 0 if drafter is None else drafter.num_proposals
         # The drafter's STS temperatures (``Drafter.calibrate``) as of engine creation.
@@ -302,7 +311,7 @@ class Engine:
                               if drafter is None or drafter.confidence_temperatures is None
                               else np.asarray(drafter.confidence_temperatures, np.float32))
         # Its draft vocabulary (``Drafter.draft_vocab``; None: the whole vocabulary), likewise.
-        self._draft_vocab = draft_vocab(target, drafter)
+        self._draft_vocab = draft_vocab(target, drafter, self.draft_weight_dtype)
         self.buckets = token_buckets(slots, self.num_proposals, buckets)
         self.eos_ids = jnp.asarray(target.eos_token_ids or (-1,), jnp.int32)
         self._eos_set = frozenset(target.eos_token_ids or ())
@@ -313,13 +322,14 @@ class Engine:
         self._structure_id = None
         self.set_policy(policy, policy_params)
         cfg = target.config
+        draft_width = cfg.vocab_size if self._draft_vocab is None else self._draft_vocab.ids.shape[0]
 
         def empty_state(key):
             d_cache = None if drafter is None else drafter.model.init_cache(slots, max_len)
             caches = round_lib.Caches(
                 KVCache.for_model(cfg, slots, max_len, target.dtype), d_cache)
             return round_lib.laid_out(
-                round_lib.Slots.empty(slots, self.num_proposals, cfg.vocab_size, max_len, key,
+                round_lib.Slots.empty(slots, self.num_proposals, draft_width, max_len, key,
                                       record_rounds), caches)
 
         # Under jax.set_mesh the state is laid out over the mesh (round.laid_out); every leaf is
@@ -385,11 +395,15 @@ class Engine:
         """The target's state as this engine's programs read it (layout and weight dtype)."""
         return self.target.inference_state(self.layer_weights, self.weight_dtype)
 
+    def _drafter_state(self):
+        """The drafter's state as this engine's programs read it (weight dtype)."""
+        return self.drafter.inference_state(self.draft_weight_dtype)
+
     def _models(self):
         d = self.drafter
         return (self.target.graphdef, self._target_state(),
                 None if d is None else d.graphdef,
-                None if d is None else d.state)
+                None if d is None else self._drafter_state())
 
     def _structure(self) -> tuple:
         """What every program of this engine depends on besides its own shapes: (an id of) the
@@ -399,7 +413,8 @@ class Engine:
             models = (t.graphdef, str(t.dtype), self.layer_weights, str(self.weight_dtype),
                       _shardings(self._target_state()))
             if d is not None:
-                models += (d.graphdef, str(d.dtype), _shardings(d.state))
+                models += (d.graphdef, str(d.dtype), str(self.draft_weight_dtype),
+                           _shardings(self._drafter_state()))
             self._structure_id = _MODELS.setdefault(models, len(_MODELS))
         return (self._structure_id, self.num_slots, self.max_len,
                 self._slots.trace.proposal_len.shape[1], self.eos_ids.shape[0],

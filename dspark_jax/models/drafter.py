@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.model_config import attention_dims
+from dspark_jax.models import layer_weights
 from dspark_jax.models.decoder import Decoder, DecoderLayer, stacked
 from dspark_jax.models.fused_attention import attend_draft_blocks
 from dspark_jax.models.heads import ConfidenceHead, block_bias, make_head
@@ -248,8 +249,17 @@ class DSparkModel(nnx.Module):
             h = layer.finish(h, out)
             return h, (k_cache, v_cache)
 
-        caches = (None, None) if cache is None else (cache.k, cache.v)
-        h, (k_cache, v_cache) = jax.lax.scan(step, h, (layer_state,) + caches)
+        xs = (layer_state,) + ((None, None) if cache is None else (cache.k, cache.v))
+        if any(map(layer_weights.is_unstacked,
+                   jax.tree.leaves(layer_state, is_leaf=layer_weights.is_unstacked))):
+            # Matrices held per layer (Drafter.inference_state): each layer's read in place.
+            def by_index(h, index):
+                return step(h, jax.tree.map(lambda x: layer_weights.layer(x, index), xs,
+                                            is_leaf=layer_weights.is_unstacked))
+
+            h, (k_cache, v_cache) = jax.lax.scan(by_index, h, jnp.arange(self.config.num_layers))
+        else:
+            h, (k_cache, v_cache) = jax.lax.scan(step, h, xs)
         return self.norm(h), (None if cache is None else cache.replace(k=k_cache, v=v_cache))
 
     # -- heads ---------------------------------------------------------------------------------

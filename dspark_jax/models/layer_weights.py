@@ -151,9 +151,14 @@ def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> 
         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def with_dtype(state: nnx.State, stack_names: tuple[str, ...], dtype) -> nnx.State:
+DECODER_MATRICES = (("embed_tokens", "embedding"), ("lm_head",))  # a decoder's other matrices
+
+
+def with_dtype(state: nnx.State, stack_names: tuple[str, ...], dtype,
+               matrices: tuple[tuple[str, ...], ...] = DECODER_MATRICES) -> nnx.State:
     """``state`` with its weight matrices in ``dtype`` (None: unchanged): the layer stacks'
-    matrices [L, in, out] under ``stack_names``, the embedding table and an untied LM head.
+    matrices [L, in, out] under ``stack_names`` and the matrices at the paths ``matrices`` (a
+    decoder's embedding table and untied LM head; a drafter's context projection).
     Norm scales, biases and the activations stay as they are, so with bfloat16 matrices under
     a float32 model every matmul multiplies in bfloat16 and accumulates in float32
     (``layers.Linear``, ``Decoder.logits``) and the embedding rows are read back in float32.
@@ -167,7 +172,7 @@ def with_dtype(state: nnx.State, stack_names: tuple[str, ...], dtype) -> nnx.Sta
     def cast(path, variable):
         value = variable.get_value()
         matrix = ((path[0] in stack_names and path[-1] == "kernel" and value.ndim == 3)
-                  or path == ("embed_tokens", "embedding") or path == ("lm_head",))
+                  or path in matrices)
         return variable.replace(value.astype(dtype)) if matrix and value.dtype != dtype else variable
 
     return jax.tree_util.tree_map_with_path(
@@ -180,17 +185,18 @@ class Layouts:
     when the owner's ``state`` is replaced, the next :meth:`get` makes them anew (and drops the
     old). A copy does not follow in-place changes of the stacked arrays (``Variable.set_value``)."""
 
-    def __init__(self, stack_names: tuple[str, ...]):
-        self.stack_names = stack_names
+    def __init__(self, stack_names: tuple[str, ...],
+                 matrices: tuple[tuple[str, ...], ...] = DECODER_MATRICES):
+        self.stack_names, self.matrices = stack_names, matrices
         self._source, self._made = None, {}
 
     def get(self, state: nnx.State, layout: str, dtype=None) -> nnx.State:
         """``state`` in ``layout`` (:func:`with_layout`) with its matrices in ``dtype``
-        (:func:`with_dtype`; None: as they are), over the owner's stack names."""
+        (:func:`with_dtype`; None: as they are), over the owner's stack names and matrices."""
         if self._source is not state:
             self._source, self._made = state, {}
         key = (layout, None if dtype is None else jnp.dtype(dtype).name)
         if key not in self._made:
-            self._made[key] = with_layout(with_dtype(state, self.stack_names, dtype),
+            self._made[key] = with_layout(with_dtype(state, self.stack_names, dtype, self.matrices),
                                           self.stack_names, layout)
         return self._made[key]

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import dspark_jax
-from dspark_jax.decoding.block_sampler import DraftVocab, sample_block, sample_draft
+from dspark_jax.decoding.block_sampler import (DraftVocab, full_vocab_probs, sample_block,
+                                              sample_draft)
 from dspark_jax.decoding.sampling import sample
 from dspark_jax.models.heads import ConfidenceHead, RNNHead, make_head
 from dspark_jax.target import init_target
@@ -162,16 +163,14 @@ def test_a_draft_vocabulary_samples_the_law_restricted_to_it(kind, temperature, 
                   temperature=temperature, top_p=top_p)
     full = sample_block(base_logits=masked, **common)
     draft_vocab = DraftVocab(vocab, None, None if head is None else head.columns(vocab))
-    restricted = sample_block(base_logits=base[..., vocab], draft_vocab=draft_vocab,
-                              vocab_size=V, **common)
+    restricted = sample_block(base_logits=base[..., vocab], draft_vocab=draft_vocab, **common)
     np.testing.assert_array_equal(restricted.tokens, full.tokens)
     assert np.isin(np.asarray(restricted.tokens), np.asarray(vocab)).all()
-    assert restricted.probs.shape == (B, P, V)
-    np.testing.assert_allclose(restricted.probs, full.probs, atol=1e-6)
+    assert restricted.probs.shape == (B, P, vocab.size)  # the V' columns only
+    widened = full_vocab_probs(restricted.probs, draft_vocab, V)
+    np.testing.assert_allclose(widened, full.probs, atol=1e-6)
     off = np.ones(V, bool)
     off[np.asarray(vocab)] = False
-    assert not np.asarray(restricted.probs)[..., off].any()
+    assert not np.asarray(widened)[..., off].any()
     if conf is not None:
         np.testing.assert_allclose(restricted.confidence, full.confidence, rtol=1e-6)
-    with pytest.raises(ValueError, match="needs vocab_size"):
-        sample_block(base_logits=base[..., vocab], draft_vocab=draft_vocab, **common)

@@ -134,6 +134,66 @@ def test_greedy_speculative_equals_greedy_autoregressive_with_bfloat16_weights(l
 
 
 
+def test_a_drafters_matrices_take_the_dtype_and_are_read_in_place():
+    """``Drafter.inference_state(bfloat16)``: its layers' matrices (one array per layer on a
+    CPU) and its context projection in bfloat16, everything else as it was; the draft step
+    reads the matrices in place (no dynamic slice of a layer's kernel in the compiled program)
+    and drafts within bfloat16's tolerance of the float32 drafter. The same per-layer arrays in
+    float32 give the stacked drafter's bits."""
+    target = init_target(dict(QWEN3, num_hidden_layers=4), seed=3)
+    drafter = dspark_jax.init_drafter(target, seed=2)
+    assert drafter.inference_state() is drafter.state
+    state = drafter.inference_state(jnp.bfloat16)
+    assert drafter.inference_state("bfloat16") is state
+    flat, original = _flat(state), _flat(drafter.state)
+    for path, value in flat.items():
+        if path[0] == "layers" and path[-1] == "kernel":
+            assert isinstance(value, layer_weights.Unstacked) and value.dtype == jnp.bfloat16
+        elif path == ("fc", "kernel"):
+            np.testing.assert_array_equal(value, original[path].astype(jnp.bfloat16))
+        else:
+            assert value is original[path]
+    model = drafter.model
+    cache = model.init_cache(2, 32)
+    taps = len(drafter.config.target_layer_ids) * target.config.hidden_size
+    ctx_taps = jax.random.normal(jax.random.key(0), (2, 5, taps))
+    args = dict(ctx_taps=ctx_taps, ctx_positions=jnp.broadcast_to(jnp.arange(5), (2, 5)),
+                anchor_tokens=jnp.asarray([7, 9]), anchor_positions=jnp.asarray([5, 5]))
+
+    def draft(state, cache):
+        m = nnx.merge(drafter.graphdef, state)
+        return m.draft(nnx.merge(target.graphdef, target.state), cache=cache, **args).hidden
+
+    want = np.asarray(jax.jit(draft)(drafter.state, cache))
+    split32 = layer_weights.with_layout(drafter.state, ("layers",), "unstacked")
+    np.testing.assert_array_equal(jax.jit(draft)(split32, cache), want)
+    got = np.asarray(jax.jit(draft)(state, cache))
+    assert 0 < np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    hlo = jax.jit(draft).lower(state, cache).compile().as_text()
+    kernels = {f"bf16[{','.join(map(str, v.shape[1:]))}]" for path, v in flat.items()
+               if path[0] == "layers" and path[-1] == "kernel"}
+    assert not [line for line in hlo.splitlines()
+                if "dynamic-slice" in line and any(k in line.split("=")[1] for k in kernels)]
+
+
+def test_greedy_speculative_with_a_bfloat16_drafter_equals_autoregressive():
+    """A drafter's matrices in bfloat16 change its draft law only: greedy output is still the
+    float32 target's own, with and without a draft vocabulary."""
+    target = init_target(dict(QWEN3, eos_token_id=3, num_hidden_layers=4), seed=1)
+    drafter = dspark_jax.init_drafter(target, seed=2)
+    ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=16)]
+    for vocab in (None, np.arange(0, 48, 2)):
+        drafter.restrict_vocab(vocab)
+        engine = Engine(target, drafter, slots=1, max_len=64, draft_weight_dtype="bfloat16")
+        assert engine.draft_weight_dtype == jnp.bfloat16
+        if vocab is not None:
+            assert engine._draft_vocab.lm_head_rows.dtype == jnp.bfloat16
+        sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=16,
+                                                       drafter=drafter,
+                                                       draft_weight_dtype="bfloat16")]
+        assert sp == ar and any(len(t) > 1 for t in ar)
+
+
 def test_a_rows_bfloat16_product_does_not_depend_on_the_other_rows():
     """XLA:CPU's bfloat16 matmul gives a row the same bits for any number of rows from 3 on,
     but others for 1 or 2 rows (and runs slowest for 1); ``layers.with_min_rows`` pads a
