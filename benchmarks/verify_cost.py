@@ -93,9 +93,7 @@ def main():
 
     if drafter is not None:
         draft = draft_step(target)
-        draft_dtypes = {name: None if name == np.dtype(drafter.dtype).name else name
-                        for name in args.draft_weight_dtypes}
-        vocabs = {name: draft_vocab(target, drafter, wd) for name, wd in draft_dtypes.items()}
+        vocabs = {name: draft_vocab(target, drafter, name) for name in args.draft_weight_dtypes}
         committed = drafter.config.block_size + 1  # the tokens a full verify of 7 commits
         ctx_taps = jnp.asarray(rng.standard_normal((1, committed, len(taps) * cfg.hidden_size)),
                                target.dtype)
@@ -120,12 +118,12 @@ def main():
 
             calls[(dtype, t)] = call
         if drafter is not None:
-            for (draft_dtype, draft_wd), (name, temperature) in itertools.product(
-                    draft_dtypes.items(), (("draft", 0.0), ("draft_sampled", 1.0))):
+            for draft_dtype, (name, temperature) in itertools.product(
+                    args.draft_weight_dtypes, (("draft", 0.0), ("draft_sampled", 1.0))):
                 holder = [random_cache(drafter.model.init_cache(1, slots))]
 
                 def call(state=state, holder=holder, temperature=jnp.full((1,), temperature),
-                         d_state=drafter.inference_state(draft_wd), vocab=vocabs[draft_dtype]):
+                         d_state=drafter.inference_state(draft_dtype), vocab=vocabs[draft_dtype]):
                     sample, holder[0] = draft(drafter.graphdef, d_state, state, holder[0],
                                               ctx_taps, ctx_pos, anchor, anchor_pos,
                                               jax.random.key(0), temperature, jnp.ones((1,)),
