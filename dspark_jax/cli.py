@@ -11,7 +11,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
 WEIGHT_DTYPES = ("bfloat16",)
 WEIGHT_DTYPE_HELP = ("decode with the target's weight matrices in this dtype under its --dtype "
                      "activations (multiplied in bfloat16, accumulated in float32): on a CPU "
-                     "with AMX faster from 8 rows on, slower at batch 1")
+                     "with AMX faster from 8 rows on, slower at batch 1; the law then is the "
+                     "bfloat16-weight target's, and a greedy output may depend on the batch")
 DRAFT_WEIGHT_DTYPE_HELP = ("the drafter's weight matrices in this dtype (multiplied in bfloat16, "
                            "accumulated in float32): a faster draft step on a CPU with AMX; "
                            "only the draft law changes, so outputs stay exact")
@@ -292,7 +293,8 @@ def cmd_profile_sps(args) -> int:
 
     target, drafter = _serving_models(args)
     buckets = [int(b) for b in _csv(args.buckets)] if args.buckets else None
-    engine = Engine(target, drafter, slots=args.slots, max_len=args.max_len, buckets=buckets)
+    engine = Engine(target, drafter, slots=args.slots, max_len=args.max_len, buckets=buckets,
+                    weight_dtype=args.weight_dtype, draft_weight_dtype=args.draft_weight_dtype)
     profile = engine.profile_sps(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  repeats=args.repeats, warmup=args.warmup, refresh=args.refresh)
     path = sps.cache_file(profile.key)
@@ -344,7 +346,8 @@ def cmd_serve_bench(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         buckets=[int(b) for b in _csv(args.buckets)] if args.buckets else None,
         repeats=args.repeats, sps_repeats=args.sps_repeats, sps_warmup=args.sps_warmup,
-        refresh_sps=args.refresh_sps)
+        refresh_sps=args.refresh_sps, weight_dtype=args.weight_dtype,
+        draft_weight_dtype=args.draft_weight_dtype)
     result["config"].update(model=args.model, drafter=args.drafter, datasets=datasets)
     paths = bench.write_report(result, args.output)
     print(bench.markdown_table(result))
@@ -386,7 +389,8 @@ def cmd_serve(args) -> int:
         drafter = init_drafter(target, seed=args.seed)
     elif args.drafter:
         drafter = load_drafter(args.drafter, target)
-    engine = Engine(target, drafter, slots=args.max_slots, max_len=args.max_len, seed=args.seed)
+    engine = Engine(target, drafter, slots=args.max_slots, max_len=args.max_len, seed=args.seed,
+                    weight_dtype=args.weight_dtype, draft_weight_dtype=args.draft_weight_dtype)
     if drafter is not None:
         params = _verify_params(args)
         if args.verify in ("prefix", "production") and args.sps == "auto":
@@ -409,6 +413,13 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def weight_dtype_args(parser: argparse.ArgumentParser) -> None:
+    """--weight-dtype and --draft-weight-dtype of the commands that build an Engine."""
+    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP)
+    parser.add_argument("--draft-weight-dtype", choices=WEIGHT_DTYPES,
+                        help=DRAFT_WEIGHT_DTYPE_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -423,8 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=DTYPES, default="auto")
-    gen.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, help=WEIGHT_DTYPE_HELP)
-    gen.add_argument("--draft-weight-dtype", choices=WEIGHT_DTYPES, help=DRAFT_WEIGHT_DTYPE_HELP)
+    weight_dtype_args(gen)
     gen.add_argument("--drafter", help="drafter folder (DeepSpec, z-lab DFlash or Orbax layout) "
                      "for speculative decoding, or 'init' for an untrained one")
     gen.add_argument("--verify", default="full",
@@ -575,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: powers of two up to slots * (P + 1))")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", choices=DTYPES, default="auto")
+        weight_dtype_args(p)
 
     prof = sub.add_parser("profile-sps", help="measure the serving engine's steps/s by forward "
                           "tokens (cached; table for the prefix/production schedulers) + plot")
@@ -616,6 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", help="the model name clients send (default --model)")
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--dtype", choices=DTYPES, default="auto")
+    weight_dtype_args(srv)
     srv.add_argument("--log-level", default="info",
                      choices=("critical", "error", "warning", "info", "debug"))
     srv.set_defaults(func=cmd_serve)

@@ -56,14 +56,16 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
                 concurrency: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, buckets=None,
                 repeats: int = 1, sps_repeats: int = 10, sps_warmup: int = 3,
-                refresh_sps: bool = False, progress: Callable[[str], None] = print) -> dict:
+                refresh_sps: bool = False, weight_dtype=None, draft_weight_dtype=None,
+                progress: Callable[[str], None] = print) -> dict:
     """Runs every policy at every concurrency on the same prompts.
 
     Each distinct (policy, parameters) runs ``repeats`` times per concurrency, the repeats going
     round-robin over the policies so that a drift of the machine spreads over all of them (a run
     shared by two specs, e.g. ``fixed1`` and fixed-best's gamma 1, runs once). A row is the run
     with the median aggregate tokens/s (the lower median for even repeats), and
-    ``tokens_per_s_runs`` lists every run's.
+    ``tokens_per_s_runs`` lists every run's. ``weight_dtype`` and ``draft_weight_dtype`` are
+    the engines' (:class:`Engine`).
 
     Returns:
       {"config": ..., "rows": [one dict per (policy spec, C)], "sps": {C: profile JSON}}; a
@@ -80,7 +82,8 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     rows, profiles = [], {}
     for users in concurrency:
-        engine = Engine(target, drafter, slots=users, max_len=max_len, buckets=buckets, seed=seed)
+        engine = Engine(target, drafter, slots=users, max_len=max_len, buckets=buckets, seed=seed,
+                        weight_dtype=weight_dtype, draft_weight_dtype=draft_weight_dtype)
         table = None
         if any(policy in SPS_POLICIES for policy, _ in variants):
             progress(f"C={users}: profiling steps/s over buckets {list(engine.buckets)}")
@@ -115,7 +118,7 @@ def serve_bench(target, drafter, prompts: Sequence[Sequence[int]], *, policies: 
         del engine
     config = dict(policies=list(policies), concurrency=list(concurrency), prompts=len(prompts),
                   max_new_tokens=max_new_tokens, max_len=max_len, seed=seed, repeats=repeats,
-                  **sampling)
+                  weight_dtype=weight_dtype, draft_weight_dtype=draft_weight_dtype, **sampling)
     return dict(config=config, rows=rows, sps=profiles)
 
 

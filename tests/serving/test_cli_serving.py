@@ -38,3 +38,36 @@ def test_serve_bench_needs_text_prompts(tmp_path, capsys):
     assert cli.main(["serve-bench", "--model", str(tmp_path / "hf"), "--drafter", "init",
                      "--prompts", "2"]) == 2
     assert "no tokenizer" in capsys.readouterr().err
+
+
+class _EngineBuilt(Exception):
+    """Raised by the fake engine below once it has recorded its arguments."""
+
+
+@pytest.mark.parametrize("command", [["profile-sps"], ["serve-bench"], ["serve"]])
+def test_serving_commands_build_the_engine_in_the_weight_dtypes(command, monkeypatch):
+    """`--weight-dtype` / `--draft-weight-dtype` reach the Engine that profile-sps, serve-bench
+    and serve decode with (each built its engine without them before)."""
+    from types import SimpleNamespace
+
+    import dspark_jax
+    import dspark_jax.engine
+    from dspark_jax.serving import bench, loadgen
+
+    seen = {}
+
+    def fake_engine(target, drafter, **kwargs):
+        seen.update(kwargs)
+        raise _EngineBuilt
+
+    target = SimpleNamespace(tokenizer=object())
+    monkeypatch.setattr(dspark_jax, "load_target", lambda *args, **kwargs: target)
+    monkeypatch.setattr(dspark_jax, "load_drafter",
+                        lambda *args, **kwargs: SimpleNamespace(num_proposals=6))
+    monkeypatch.setattr(dspark_jax.engine, "Engine", fake_engine)
+    monkeypatch.setattr(bench, "Engine", fake_engine)
+    monkeypatch.setattr(loadgen, "eval_prompts", lambda *args, **kwargs: [[1, 2, 3]])
+    with pytest.raises(_EngineBuilt):
+        cli.main(command + ["--drafter", "d", "--weight-dtype", "bfloat16",
+                            "--draft-weight-dtype", "bfloat16"])
+    assert seen["weight_dtype"] == seen["draft_weight_dtype"] == "bfloat16"
