@@ -118,7 +118,9 @@ def test_bfloat16_weights_read_in_place_on_one_cpu_for_any_number_of_slots():
     assert Engine(target, slots=8, max_len=32).layer_weights == "stacked"
 
 
-@pytest.mark.parametrize("layout", layer_weights.LAYOUTS)
+@pytest.mark.parametrize("layout", [
+    "unstacked",  # a CPU's layout for a few rows
+    pytest.param("stacked", marks=pytest.mark.slow)])  # its programs are this test's alone
 def test_greedy_speculative_equals_greedy_autoregressive_with_bfloat16_weights(layout):
     """The engine's programs in bfloat16 weights: on this tiny target the verify and the decode
     step compute the same greedy tokens. (On a real model the float32 attention's last bits
@@ -176,22 +178,23 @@ def test_a_drafters_matrices_take_the_dtype_and_are_read_in_place():
                 if "dynamic-slice" in line and any(k in line.split("=")[1] for k in kernels)]
 
 
-def test_greedy_speculative_with_a_bfloat16_drafter_equals_autoregressive():
+@pytest.mark.parametrize("vocab", [
+    "even",  # bfloat16 layers and bfloat16 draft-vocabulary rows of the head
+    pytest.param(None, marks=pytest.mark.slow)])  # bfloat16 layers, the whole float32 head
+def test_greedy_speculative_with_a_bfloat16_drafter_equals_autoregressive(vocab):
     """A drafter's matrices in bfloat16 change its draft law only: greedy output is still the
     float32 target's own, with and without a draft vocabulary."""
     target = init_target(dict(QWEN3, eos_token_id=3, num_hidden_layers=4), seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2)
     ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=16)]
-    for vocab in (None, np.arange(0, 48, 2)):
-        drafter.restrict_vocab(vocab)
-        engine = Engine(target, drafter, slots=1, max_len=64, draft_weight_dtype="bfloat16")
-        assert engine.draft_weight_dtype == jnp.bfloat16
-        if vocab is not None:
-            assert engine._draft_vocab.lm_head_rows.dtype == jnp.bfloat16
-        sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=16,
-                                                       drafter=drafter,
-                                                       draft_weight_dtype="bfloat16")]
-        assert sp == ar and any(len(t) > 1 for t in ar)
+    drafter.restrict_vocab(None if vocab is None else np.arange(0, 48, 2))
+    engine = Engine(target, drafter, slots=1, max_len=64, draft_weight_dtype="bfloat16")
+    assert engine.draft_weight_dtype == jnp.bfloat16
+    if vocab is not None:
+        assert engine._draft_vocab.lm_head_rows.dtype == jnp.bfloat16
+    sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=16,
+                                                   drafter=drafter, draft_weight_dtype="bfloat16")]
+    assert sp == ar and any(len(t) > 1 for t in ar)
 
 
 def test_a_rows_bfloat16_product_does_not_depend_on_the_other_rows():
