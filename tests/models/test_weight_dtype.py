@@ -179,15 +179,16 @@ def test_a_drafters_matrices_take_the_dtype_and_are_read_in_place():
 
 
 @pytest.mark.parametrize("vocab", [
-    "even",  # bfloat16 layers and bfloat16 draft-vocabulary rows of the head
-    pytest.param(None, marks=pytest.mark.slow)])  # bfloat16 layers, the whole float32 head
+    np.arange(0, 48, 2),  # bfloat16 layers and bfloat16 draft-vocabulary rows of the head
+    pytest.param(None, marks=pytest.mark.slow)],  # bfloat16 layers, the whole float32 head
+    ids=["draft-vocab", "whole-vocab"])
 def test_greedy_speculative_with_a_bfloat16_drafter_equals_autoregressive(vocab):
     """A drafter's matrices in bfloat16 change its draft law only: greedy output is still the
     float32 target's own, with and without a draft vocabulary."""
     target = init_target(dict(QWEN3, eos_token_id=3, num_hidden_layers=4), seed=1)
     drafter = dspark_jax.init_drafter(target, seed=2)
     ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, max_new_tokens=16)]
-    drafter.restrict_vocab(None if vocab is None else np.arange(0, 48, 2))
+    drafter.restrict_vocab(vocab)
     engine = Engine(target, drafter, slots=1, max_len=64, draft_weight_dtype="bfloat16")
     assert engine.draft_weight_dtype == jnp.bfloat16
     if vocab is not None:
