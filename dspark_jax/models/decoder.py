@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, SLIDING, attention_dims, layer_groups
-from dspark_jax.models import layer_weights
+from dspark_jax.models import cpu_matmul, layer_weights
 from dspark_jax.models.fused_attention import attend_cache, attend_segments
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend,
@@ -258,20 +258,21 @@ class Decoder(nnx.Module):
         (:meth:`lm_head_rows` of V' tokens), only those tokens' logits [..., V']. A head held in
         another dtype than ``hidden`` (bfloat16 weights, ``layer_weights.with_dtype``)
         multiplies ``hidden`` rounded to its dtype, on at least ``layers.MIN_ROWS`` rows, and is
-        read as it is held (:meth:`lm_head_stored`)."""
-        if head_rows is not None:
-            head, axes = head_rows, "vd"
+        read as it is held (:meth:`lm_head_stored`). A few float32 rows on CPU multiply the
+        head as it is held through ``cpu_matmul``."""
+        head, axes = (head_rows, "vd") if head_rows is not None else self.lm_head_stored()
+        if cpu_matmul.applies(hidden, head):  # a few float32 rows on CPU: read the head once
+            logits = cpu_matmul.matmul(hidden, head, transpose_w=axes == "vd")
         else:
-            head, axes = self.lm_head_stored()
-            if head.dtype == jnp.float32:  # float32 multiplies the transposed table in place
-                head, axes = self.lm_head_matrix(), "dv"
-        subscripts = f"...d,{axes}->...v"
+            if head_rows is None and head.dtype == jnp.float32:
+                head, axes = self.lm_head_matrix(), "dv"  # XLA's float32 dot: the transpose
+            subscripts = f"...d,{axes}->...v"
 
-        def product(h):
-            return jnp.einsum(subscripts, h, head, preferred_element_type=jnp.float32)
+            def product(h):
+                return jnp.einsum(subscripts, h, head, preferred_element_type=jnp.float32)
 
-        logits = (product(hidden) if head.dtype == hidden.dtype
-                  else with_min_rows(product, hidden.astype(head.dtype)))
+            logits = (product(hidden) if head.dtype == hidden.dtype
+                      else with_min_rows(product, hidden.astype(head.dtype)))
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.models import cpu_matmul
+
 LAYOUTS = ("stacked", "unstacked")
 MAX_ROWS = 4  # the most slots for which default_layout unstacks
 
@@ -93,6 +95,8 @@ class LayerKernel:
 
 def _einsum_with(spec: str, j: int, preferred_element_type, x: jax.Array,
                  layers: tuple) -> jax.Array:
+    if spec == "...i,io->...o" and cpu_matmul.applies(x, layers[j], preferred_element_type):
+        return cpu_matmul.matmul(x, layers[j])  # a few float32 rows: read the matrix once
     return jnp.einsum(spec, x, layers[j], preferred_element_type=preferred_element_type)
 
 

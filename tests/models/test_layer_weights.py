@@ -12,7 +12,7 @@ from flax import nnx
 
 import dspark_jax
 from dspark_jax.engine import Engine
-from dspark_jax.models import layer_weights
+from dspark_jax.models import cpu_matmul, layer_weights
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.ragged import ragged_forward
 from dspark_jax.target import init_target
@@ -34,7 +34,16 @@ def _cached_forward(graphdef, state, tokens):
 
 
 @CONFIGS
-def test_unstacked_weights_compute_exactly_what_the_stacks_compute(config):
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla-dot", "cpu-matmul"])
+def test_unstacked_weights_compute_what_the_stacks_compute(config, kernel, monkeypatch):
+    """Exactly with XLA's dot in both; with ``cpu_matmul`` (the per-layer arrays' few-row
+    float32 products on CPU, another summation order) to float32 rounding."""
+    if not kernel:
+        monkeypatch.setattr(cpu_matmul, "applies", lambda *a, **k: False)
+    elif not cpu_matmul.available():
+        pytest.skip("no cpu_matmul kernel on this host")
+    check = (np.testing.assert_array_equal if not kernel
+             else lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5))
     target = init_target(config, seed=3)
     unstacked = target.inference_state("unstacked")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 6)))
@@ -42,14 +51,14 @@ def test_unstacked_weights_compute_exactly_what_the_stacks_compute(config):
     want = forward(target.graphdef, target.state, tokens)
     got = forward(target.graphdef, unstacked, tokens)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(a, b)
+        check(a, b)
     # The flat (ragged) forward of the engine's rounds too.
     cache = KVCache.for_model(target.config, 2, 16, jnp.float32, True)
     args = (tokens.reshape(-1), jnp.tile(jnp.arange(6), 2), jnp.repeat(jnp.arange(2), 6),
             jnp.tile(jnp.arange(6), 2), jnp.zeros((2,), jnp.int32), cache)
     ragged = jax.jit(lambda g, s, *a: ragged_forward(nnx.merge(g, s), *a, width=6), static_argnums=0)
-    np.testing.assert_array_equal(ragged(target.graphdef, unstacked, *args).hidden,
-                                  ragged(target.graphdef, target.state, *args).hidden)
+    check(ragged(target.graphdef, unstacked, *args).hidden,
+          ragged(target.graphdef, target.state, *args).hidden)
 
 
 @CONFIGS
@@ -101,7 +110,7 @@ def test_the_cpu_program_reads_per_layer_weights_without_slicing_them():
 
 MESH_SCRIPT = """
 import json, jax, numpy as np
-from dspark_jax.models import layer_weights
+from dspark_jax.models import cpu_matmul, layer_weights
 from dspark_jax.target import init_target
 target = init_target(dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32,
                           intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -1,0 +1,241 @@
+// y[M, N] = x[M, K] @ w[K, N] (or @ w[N, K]^T) in float32 for a few rows M, as XLA FFI
+// custom calls on CPU.
+//
+// XLA:CPU multiplies 2 to 16 float32 rows by a weight matrix at 35-60 GFLOP/s, so a
+// speculative verify of 8 tokens costs about two decode steps where reading the weights once
+// (what one row costs) would allow one (BENCHMARKS.md, issue 19). This kernel reads each
+// weight matrix once for all rows: the threads of XLA's intra-op pool take column ranges, and
+// each walks the matrix in blocks of kKBlock rows (kKBlock streams through memory), keeping a
+// tile of up to kRows x 64 results in AVX-512 registers per block. A matrix held transposed,
+// w[N, K] (a tied embedding table as an LM head), is read row by row instead: 16 lanes of
+// partial sums per result, added up at the end.
+//
+// Every result element is computed by the same instructions in the same order whatever M, the
+// thread count or the tiling (w[K, N]: one fused multiply-add chain over k = 0 .. K-1; w[N, K]:
+// sixteen chains over k = l mod 16, then one fixed reduction): a row's result does not depend
+// on the other rows, so a decode step (M = 1) and a verify (M = 8) give a token the same bits.
+//
+// Built by dspark_jax/models/cpu_matmul.py with the host's C++ compiler (-O3 -mavx512f).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kKBlock = 16;  // rows of w per block: that many sequential memory streams
+constexpr int kRows = 6;         // rows of x per register tile (6 x 4 accumulators + 4 w vectors)
+constexpr int kVectors = 4;      // 16-float vectors of columns per register tile (64 columns)
+
+// acc(m, j) over rows [k0, k1) of w, for MR rows of x and NV vectors of columns from w's
+// column 0 (w, y already offset). The last vector is masked by `tail` (N not a multiple of 16).
+template <int MR, int NV>
+void Tile(const float* x, int64_t K, const float* w, int64_t N, float* y, int64_t k0,
+          int64_t k1, __mmask16 tail) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __mmask16 mask = j == NV - 1 ? tail : __mmask16(0xFFFF);
+      acc[m][j] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + m * N + 16 * j);
+    }
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 wv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __mmask16 mask = j == NV - 1 ? tail : __mmask16(0xFFFF);
+      wv[j] = _mm512_maskz_loadu_ps(mask, w + k * N + 16 * j);
+      // The same columns of the next block's rows, into L2 (a prefetch past w's end is
+      // harmless): the hardware prefetchers alone left one core at about 8 GB/s.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kKBlock) * N + 16 * j), _MM_HINT_T1);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __mmask16 mask = j == NV - 1 ? tail : __mmask16(0xFFFF);
+      _mm512_mask_storeu_ps(y + m * N + 16 * j, mask, acc[m][j]);
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
+                        __mmask16);
+
+template <int MR>
+constexpr TileFn kTilesOf[kVectors] = {Tile<MR, 1>, Tile<MR, 2>, Tile<MR, 3>, Tile<MR, 4>};
+
+constexpr const TileFn* kTiles[kRows] = {kTilesOf<1>, kTilesOf<2>, kTilesOf<3>,
+                                         kTilesOf<4>, kTilesOf<5>, kTilesOf<6>};
+
+// Columns [c0, c1) of y = x @ w.
+void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+             int64_t c0, int64_t c1) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+    const int64_t k1 = std::min(K, k0 + kKBlock);
+    for (int64_t n = c0; n < c1; n += 16 * kVectors) {
+      const int64_t width = std::min<int64_t>(c1 - n, 16 * kVectors);
+      const int nv = static_cast<int>((width + 15) / 16);
+      const int64_t rest = width - 16 * (nv - 1);
+      const __mmask16 tail = static_cast<__mmask16>((1u << rest) - 1u);
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+        kTiles[mr - 1][nv - 1](x + m0 * K, K, w + n, N, y + m0 * N + n, k0, k1, tail);
+      }
+    }
+  }
+}
+
+// Transposed w[N, K]: results y[m, n .. n + NB) for MR rows of x, from 16-lane partial sums
+// over k = l mod 16 (the last, partial vector of k masked by `tail`), reduced lane by lane.
+template <int MR, int NB>
+void TileT(const float* x, int64_t K, const float* w, int64_t N, float* y, __mmask16 tail) {
+  __m512 acc[MR][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = k + 16 <= K ? __mmask16(0xFFFF) : tail;
+    __m512 wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + NB) * K + k), _MM_HINT_T1);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) y[m * N + j] = _mm512_reduce_add_ps(acc[m][j]);
+  }
+}
+
+using TileTFn = void (*)(const float*, int64_t, const float*, int64_t, float*, __mmask16);
+
+constexpr int kRowsT = 4;     // rows of x per tile of the transposed product
+constexpr int kColumnsT = 4;  // rows of w[N, K] (result columns) per tile
+
+template <int MR>
+constexpr TileTFn kTilesTOf[kColumnsT] = {TileT<MR, 1>, TileT<MR, 2>, TileT<MR, 3>, TileT<MR, 4>};
+
+constexpr const TileTFn* kTilesT[kRowsT] = {kTilesTOf<1>, kTilesTOf<2>, kTilesTOf<3>,
+                                            kTilesTOf<4>};
+
+// Columns [c0, c1) of y = x @ w^T, w[N, K].
+void ColumnsT(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+              int64_t c0, int64_t c1) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16 == 0 ? 16 : K % 16)) - 1u);
+  for (int64_t n = c0; n < c1; n += kColumnsT) {
+    const int nb = static_cast<int>(std::min<int64_t>(kColumnsT, c1 - n));
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsT) {
+      const int mr = static_cast<int>(std::min<int64_t>(kRowsT, M - m0));
+      kTilesT[mr - 1][nb - 1](x + m0 * K, K, w + n * K, N, y + m0 * N + n, tail);
+    }
+  }
+}
+
+using ColumnsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                           int64_t);
+
+// Column ranges taken by whoever is free: the caller and the tasks it schedules on XLA's pool.
+struct Job {
+  ColumnsFn columns;
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, chunks, chunk_columns;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t c0 = c * chunk_columns;
+      columns(x, w, y, M, K, N, c0, std::min(N, c0 + chunk_columns));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// y = x @ w (transposed: w[N, K]) on the pool's threads, in chunks of whole 16-column vectors.
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
+               ffi::ResultBuffer<ffi::F32>& y, bool transposed) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const int64_t K = transposed ? wd.back() : wd.front();
+  if (wd.size() != 2 || xd.size() < 1 || xd.back() != K) {
+    return ffi::Error::InvalidArgument(transposed
+        ? "small_matmul_t: x [..., K] and w [N, K] expected"
+        : "small_matmul: x [..., K] and w [K, N] expected");
+  }
+  const int64_t N = transposed ? wd.front() : wd.back();
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(y->typed_data(), y->typed_data() + M * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  auto job = std::make_shared<Job>();
+  job->columns = transposed ? ColumnsT : Columns;
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->M = M;
+  job->K = K;
+  job->N = N;
+  const int64_t vectors = (N + 15) / 16;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunks = std::min(threads, vectors);
+  job->chunk_columns = 16 * ((vectors + chunks - 1) / chunks);
+  job->chunks = (N + job->chunk_columns - 1) / job->chunk_columns;
+  for (int64_t t = 1; t < job->chunks; ++t) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  return ffi::Error::Success();
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w, y, /*transposed=*/false);
+}
+
+ffi::Error SmallMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w, y, /*transposed=*/true);
+}
+
+}  // namespace
+
+#define DSPARK_BINDING                 \
+  ffi::Ffi::Bind()                     \
+      .Ctx<ffi::ThreadPool>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()    \
+      .Arg<ffi::Buffer<ffi::F32>>()    \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmul, SmallMatmul, DSPARK_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulT, SmallMatmulT, DSPARK_BINDING);

@@ -1,0 +1,144 @@
+"""A float32 product of a few rows by a weight matrix on x86 CPUs: ``cpu_matmul.cc``.
+
+XLA:CPU multiplies 2 to 16 float32 rows by a matrix at a fraction of the memory's speed, so
+on a 2-core Xeon a verify of 8 tokens cost 1.9 decode steps of SmolLM2-135M (BENCHMARKS.md,
+issue 19). ``cpu_matmul.cc`` reads the matrix once for all rows, through XLA's own thread pool,
+as an XLA FFI custom call: the 30 layers' matmuls of 8 rows take about 1.15x those of one row,
+against 1.6x for XLA's dot. Every result element is one fused multiply-add chain over the
+contraction in order, whatever the number of rows, so a token's product in a verify has the
+bits of the same token's product in a decode step.
+
+:func:`matmul` uses it on CPU when the host has AVX-512 and a C++ compiler (``$CXX``, else
+``c++``): the kernel is compiled on first use into :func:`storage.cache_dir` (a few seconds,
+once per source and jaxlib version) and registered with XLA. Elsewhere (other platforms under
+``lax.platform_dependent``, no AVX-512, no compiler, ``DSPARK_JAX_CPU_MATMUL=0``) the product
+is ``jnp.einsum``. The layer scans' matmuls over per-layer arrays (``layer_weights``) of a
+float32 model take this path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax import storage
+
+SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
+MAX_ROWS = 16  # the most rows (tokens times batch rows) multiplied by the kernel
+FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
+log = logging.getLogger(__name__)
+
+
+def _has_avx512() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags
+
+
+def _build() -> Path:
+    """The kernel's shared library, compiled into the cache if not there yet (atomically: a
+    temporary file renamed into place, so concurrent processes never load a partial one)."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                         + jax.__version__.encode() + include.encode()).hexdigest()[:16]
+    folder = storage.cache_dir() / "kernels"
+    library = folder / f"cpu_matmul-{key}.so"
+    if not library.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", partial],
+                           check=True, capture_output=True, text=True)
+            os.replace(partial, library)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{e.stderr[-2000:]}") from e
+        except OSError as e:
+            raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether :func:`matmul` runs the kernel on CPU here (built and registered on the first
+    call). False, with the reason logged once, without AVX-512 or a compiler, or with
+    ``DSPARK_JAX_CPU_MATMUL=0``."""
+    if os.environ.get("DSPARK_JAX_CPU_MATMUL", "1") == "0":
+        return False
+    if not _has_avx512():
+        log.info("cpu_matmul: no AVX-512 on this host; float32 matmuls stay XLA's")
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build()))
+    except (OSError, RuntimeError) as e:
+        log.warning("cpu_matmul: the kernel is unavailable (%s); float32 matmuls stay XLA's", e)
+        return False
+    for name, handler in ((TARGETS[False], library.DsparkSmallMatmul),
+                          (TARGETS[True], library.DsparkSmallMatmulT)):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    return True
+
+
+def _einsum(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
+    return jnp.einsum("...i,oi->...o" if transpose_w else "...i,io->...o", x, w)
+
+
+def _kernel(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0] if transpose_w else w.shape[1],),
+                               jnp.float32)
+    return jax.ffi.ffi_call(TARGETS[transpose_w], out, vmap_method="sequential")(x, w)
+
+
+def applies(x: jax.Array, w: jax.Array, preferred_element_type=None) -> bool:
+    """Whether :func:`matmul` of x [..., K] by w runs the kernel on CPU: both float32, at
+    most :data:`MAX_ROWS` rows, no other result dtype asked, the kernel available."""
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
+            and preferred_element_type in (None, jnp.float32) and 0 < rows <= MAX_ROWS
+            and available())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _product(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
+    return jax.lax.platform_dependent(x, w, cpu=functools.partial(_kernel, transpose_w=transpose_w),
+                                      default=functools.partial(_einsum, transpose_w=transpose_w))
+
+
+@_product.defjvp
+def _product_jvp(transpose_w, primals, tangents):
+    (x, w), (dx, dw) = primals, tangents  # the tangents are einsums: linear, transposable
+    return (_product(x, w, transpose_w),
+            _einsum(dx, w, transpose_w) + _einsum(x, dw, transpose_w))
+
+
+def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] (``transpose_w``: w [N, K], e.g. an embedding table as
+    the LM head), float32: the kernel on CPU where :func:`applies`, ``jnp.einsum`` otherwise
+    (and on any other platform the program is lowered for). Differentiable (by einsums)."""
+    if not applies(x, w):
+        return _einsum(x, w, transpose_w)
+    return _product(x, w, transpose_w)

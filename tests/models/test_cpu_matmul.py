@@ -1,0 +1,87 @@
+"""``models.cpu_matmul``: the few-row float32 product on x86 CPUs computes x @ w to float32
+rounding, gives each row the same bits whatever the other rows, stays out of programs it does
+not apply to, and differentiates."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.models import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no cpu_matmul kernel here")
+
+# (leading dims of x, K, N): register tiles of 6 rows / 64 columns (4 for the transposed form)
+# with remainders, K and N off the 16-float vectors, one contraction element, a SmolLM2 matrix.
+SHAPES = [((1,), 576, 1536), ((8,), 576, 1536), ((16,), 33, 200), ((2, 3), 100, 37),
+          ((7,), 1, 5), ((5,), 17, 3), ((3, 1), 1536, 576)]
+
+
+def _operands(lead, k, n, transpose_w, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(lead + (k,)).astype(np.float32)
+    w = rng.standard_normal((n, k) if transpose_w else (k, n)).astype(np.float32)
+    return x, w
+
+
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w[K,N]", "w[N,K]"])
+@pytest.mark.parametrize("lead,k,n", SHAPES)
+def test_the_product_is_x_times_w_and_each_rows_bits_do_not_depend_on_the_others(
+        lead, k, n, transpose_w):
+    x, w = _operands(lead, k, n, transpose_w)
+    product = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w))
+    y = np.asarray(product(x, w))
+    want = x.astype(np.float64) @ (w.T if transpose_w else w).astype(np.float64)
+    assert y.shape == lead + (n,) and y.dtype == np.float32
+    # float32 rounding of a k-term sum of products of unit normals
+    np.testing.assert_allclose(y, want, rtol=0, atol=4e-6 * np.sqrt(k) * 8)
+    rows = x.reshape(-1, k)
+    alone = np.concatenate([np.asarray(product(rows[i:i + 1], w)) for i in range(len(rows))])
+    np.testing.assert_array_equal(alone, y.reshape(-1, n))
+
+
+def _custom_calls(f, *args, **lower) -> int:
+    text = jax.jit(f).trace(*args).lower(**lower).as_text()
+    return sum(text.count(t) for t in cpu_matmul.TARGETS.values())
+
+
+def test_the_kernel_runs_only_where_it_applies():
+    w = jnp.ones((64, 32), jnp.float32)
+    f = cpu_matmul.matmul
+    assert _custom_calls(f, jnp.ones((cpu_matmul.MAX_ROWS, 64)), w) == 1
+    assert _custom_calls(f, jnp.ones((cpu_matmul.MAX_ROWS + 1, 64)), w) == 0  # XLA's dot
+    assert _custom_calls(f, jnp.ones((2, 64), jnp.bfloat16), w.astype(jnp.bfloat16)) == 0
+    # Lowered for another platform, the program multiplies with XLA's dot.
+    assert _custom_calls(f, jnp.ones((2, 64)), w, lowering_platforms=("cuda",)) == 0
+    assert not cpu_matmul.applies(jnp.ones((2, 64)), w, preferred_element_type=jnp.bfloat16)
+
+
+def test_it_differentiates_and_batches_as_the_einsum_does():
+    x, w = _operands((3,), 20, 24, True, seed=1)
+
+    def loss(product, x, w):
+        return jnp.sum(jnp.sin(product(x, w)))
+
+    kernel = jax.grad(lambda x, w: loss(lambda a, b: cpu_matmul.matmul(a, b, True), x, w), (0, 1))
+    einsum = jax.grad(lambda x, w: loss(lambda a, b: jnp.einsum("mk,nk->mn", a, b), x, w), (0, 1))
+    for a, b in zip(kernel(x, w), einsum(x, w)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    batched = jax.jit(jax.vmap(lambda x: cpu_matmul.matmul(x, w, True)))(x[:, None])
+    np.testing.assert_allclose(batched[:, 0], x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_it_can_be_turned_off_and_a_missing_compiler_is_named(tmp_path, monkeypatch):
+    env = dict(os.environ, DSPARK_JAX_CPU_MATMUL="0")
+    off = subprocess.run([sys.executable, "-c", "from dspark_jax.models import cpu_matmul; "
+                          "print(cpu_matmul.available())"], env=env, capture_output=True,
+                         text=True, check=True)
+    assert off.stdout.strip() == "False"
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler .*no-such-compiler"):
+        cpu_matmul._build()
+    assert not list(tmp_path.rglob("*.so*"))  # nothing partial left behind
