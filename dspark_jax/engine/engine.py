@@ -277,8 +277,9 @@ class Engine:
       layer_weights: how the programs read the target's layer weights, "stacked" or
         "unstacked" (``Target.inference_state``: unstacked holds one more copy of them in
         memory); None: ``layer_weights.default_layout``, unstacked on one CPU device for at
-        most 4 slots, or for any number with ``weight_dtype`` bfloat16. The drafter keeps its
-        stacks (its layers run a whole draft block at once).
+        most 4 slots (32 where ``models.cpu_matmul`` runs), or for any number with
+        ``weight_dtype`` bfloat16. The drafter's layers follow ``Drafter.inference_state``
+        (per-layer arrays where its block's rows run faster so).
       weight_dtype: the dtype of the target's weight matrices in the programs, e.g. bfloat16
         under a float32 target: each matmul multiplies in bfloat16 and accumulates in float32
         (``layer_weights.with_dtype``; one more copy of the matrices); None: the target's own.

@@ -36,7 +36,7 @@ from dspark_jax import storage
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
-MAX_ROWS = 16  # the most rows (tokens times batch rows) multiplied by the kernel
+MAX_ROWS = 32  # the most rows (tokens times batch rows) multiplied by the kernel
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
 log = logging.getLogger(__name__)
 

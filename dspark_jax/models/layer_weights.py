@@ -13,7 +13,9 @@ Xeon the 30 layers' matmuls of SmolLM2-135M took 32 / 32 / 33 / 38 ms stacked an
 30 / 40 ms unstacked for 1 / 2 / 4 / 8 rows (BENCHMARKS.md), and compiling takes 1.6-1.9x as
 long. So an engine of at most :data:`MAX_ROWS` slots on a single CPU device reads its target's
 weights this way (:func:`default_layout`); larger batches, training, meshes and accelerators
-keep the stacked arrays.
+keep the stacked arrays. Where ``cpu_matmul``'s kernel runs (x86 with AVX-512), a switch
+branch's float32 product of up to 32 rows is that kernel, which reads the array once for all
+rows, and engines of up to 32 slots unstack.
 
 :func:`with_dtype` holds the matrices in another dtype than the model's (bfloat16 under a
 float32 model: each matmul multiplies in bfloat16 and accumulates in float32), which
@@ -123,15 +125,19 @@ def default_layout(state: nnx.State, rows: int, dtype=None) -> str:
     """"unstacked" where the scan's slices are copies that cost: every weight whole on one CPU
     device and at most :data:`MAX_ROWS` rows (an engine's slots: a step then runs 1 to 4
     rows per forward, or up to 4 (P + 1) with a drafter, where the layouts run level and only
-    the compile time is longer), or any rows with the matrices in another ``dtype`` than
-    float32 (:func:`with_dtype`: XLA:CPU's bfloat16 matmul of a copied slice runs at about
-    half the speed of a float32 one, of an array read in place at about twice); "stacked"
-    otherwise."""
+    the compile time is longer), or at most ``cpu_matmul.MAX_ROWS`` float32 rows where that
+    kernel runs (it reads per-layer arrays in place: batch 8 / 16 / 32 greedy SmolLM2 decoded
+    1.32x / 1.23x / 1.06x as fast as over the stacks, BENCHMARKS.md), or any rows with the
+    matrices in another ``dtype`` than float32 (:func:`with_dtype`: XLA:CPU's bfloat16 matmul
+    of a copied slice runs at about half the speed of a float32 one, of an array read in place
+    at about twice); "stacked" otherwise."""
     devices = {d for x in jax.tree.leaves(state) if getattr(x, "sharding", None) is not None
                for d in x.sharding.device_set}
     on_one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
     low_precision = dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.float32)
-    return "unstacked" if on_one_cpu and (rows <= MAX_ROWS or low_precision) else "stacked"
+    kernel = not low_precision and rows <= cpu_matmul.MAX_ROWS and cpu_matmul.available()
+    return ("unstacked" if on_one_cpu and (rows <= MAX_ROWS or low_precision or kernel)
+            else "stacked")
 
 
 def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> nnx.State:

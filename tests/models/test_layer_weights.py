@@ -120,21 +120,29 @@ replicated = jax.device_put(target.state, jax.sharding.NamedSharding(mesh, jax.P
 print("REPORT " + json.dumps({"one": layer_weights.default_layout(target.state, 1),
                               "four": layer_weights.default_layout(target.state, 4),
                               "five": layer_weights.default_layout(target.state, 5),
+                              "many": layer_weights.default_layout(target.state, 33),
                               "two": layer_weights.default_layout(replicated, 1)}))
 """
 
 
-def test_the_default_layout_unstacks_for_few_rows_on_one_cpu_device():
+@pytest.mark.parametrize("kernel", ["1", "0"], ids=["cpu-matmul", "xla-dot"])
+def test_the_default_layout_unstacks_for_few_rows_on_one_cpu_device(kernel, monkeypatch):
+    """Up to 4 rows, or up to cpu_matmul.MAX_ROWS (32) where that kernel runs."""
     from conftest import run_on_cpu_devices
 
+    if kernel == "1" and not cpu_matmul.available():
+        pytest.skip("no cpu_matmul kernel on this host")
+    monkeypatch.setenv("DSPARK_JAX_CPU_MATMUL", kernel)
     report = run_on_cpu_devices(["-c", MESH_SCRIPT], devices=2)
-    assert report == {"one": "unstacked", "four": "unstacked", "five": "stacked", "two": "stacked"}
+    five = "unstacked" if kernel == "1" else "stacked"
+    assert report == {"one": "unstacked", "four": "unstacked", "five": five, "many": "stacked",
+                      "two": "stacked"}
 
 
 def test_engines_take_the_default_layout_for_their_slots_or_the_one_asked_for():
     target = init_target(QWEN3, seed=3)
     assert Engine(target, slots=4, max_len=32).layer_weights == "unstacked"
-    assert Engine(target, slots=5, max_len=32).layer_weights == "stacked"
+    assert Engine(target, slots=33, max_len=32).layer_weights == "stacked"
     assert Engine(target, slots=1, max_len=32, layer_weights="stacked").layer_weights == "stacked"
     with pytest.raises(ValueError, match="unknown layer weight layout"):
         Engine(target, slots=1, max_len=32, layer_weights="rows")

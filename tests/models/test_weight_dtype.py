@@ -115,7 +115,7 @@ def test_bfloat16_weights_read_in_place_on_one_cpu_for_any_number_of_slots():
     assert layer_weights.default_layout(target.state, 64, jnp.float32) == "stacked"
     engine = Engine(target, slots=8, max_len=32, weight_dtype="bfloat16")
     assert engine.layer_weights == "unstacked" and engine.weight_dtype == jnp.bfloat16
-    assert Engine(target, slots=8, max_len=32).layer_weights == "stacked"
+    assert Engine(target, slots=33, max_len=32).layer_weights == "stacked"
 
 
 @pytest.mark.parametrize("layout", [
@@ -144,7 +144,14 @@ def test_a_drafters_matrices_take_the_dtype_and_are_read_in_place():
     float32 give the stacked drafter's bits (both through XLA's dot)."""
     target = init_target(dict(QWEN3, num_hidden_layers=4), seed=3)
     drafter = dspark_jax.init_drafter(target, seed=2)
-    assert drafter.inference_state() is drafter.state
+    plain = drafter.inference_state()  # float32: the stacks, or per-layer arrays (cpu_matmul)
+    assert drafter.inference_state() is plain
+    if layer_weights.default_layout(drafter.state, drafter.config.block_size) == "stacked":
+        assert plain is drafter.state
+    else:
+        for path, value in _flat(plain).items():
+            if isinstance(value, layer_weights.Unstacked):
+                np.testing.assert_array_equal(jnp.stack(value.layers), _flat(drafter.state)[path])
     state = drafter.inference_state(jnp.bfloat16)
     assert drafter.inference_state("bfloat16") is state
     flat, original = _flat(state), _flat(drafter.state)
