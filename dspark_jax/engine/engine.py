@@ -277,8 +277,9 @@ class Engine:
       layer_weights: how the programs read the target's layer weights, "stacked" or
         "unstacked" (``Target.inference_state``: unstacked holds one more copy of them in
         memory); None: ``layer_weights.default_layout``, unstacked on one CPU device for at
-        most 4 slots (32 where ``models.cpu_matmul`` runs), or for any number with
-        ``weight_dtype`` bfloat16. The drafter's layers follow ``Drafter.inference_state``
+        most 4 slots (or, where ``models.cpu_matmul`` runs, a widest forward of at most 32
+        rows: slots x (P + 1) with a drafter), or for any number with ``weight_dtype``
+        bfloat16. The drafter's layers follow ``Drafter.inference_state``
         (per-layer arrays where its block's rows run faster so).
       weight_dtype: the dtype of the target's weight matrices in the programs, e.g. bfloat16
         under a float32 target: each matmul multiplies in bfloat16 and accumulates in float32
@@ -299,8 +300,9 @@ class Engine:
         self.target, self.drafter = target, drafter
         # The target's layer weights in this layout (Target.inference_state, read per program).
         self.weight_dtype = None if weight_dtype is None else jnp.dtype(weight_dtype)
+        widest = slots * (1 + (0 if drafter is None else drafter.num_proposals))  # a verify
         self.layer_weights = layer_weights or layer_weights_lib.default_layout(
-            target.state, slots, self.weight_dtype)
+            target.state, slots, self.weight_dtype, forward_rows=widest)
         self._target_state()  # checks the names, makes the copy now
         self.draft_weight_dtype = (None if drafter is None or draft_weight_dtype is None
                                    or jnp.dtype(draft_weight_dtype) == drafter.dtype

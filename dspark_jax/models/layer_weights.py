@@ -121,13 +121,16 @@ def layer(x, index: jax.Array, first: int = 0):
     return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
-def default_layout(state: nnx.State, rows: int, dtype=None) -> str:
+def default_layout(state: nnx.State, rows: int, dtype=None, forward_rows: int | None = None
+                   ) -> str:
     """"unstacked" where the scan's slices are copies that cost: every weight whole on one CPU
     device and at most :data:`MAX_ROWS` rows (an engine's slots: a step then runs 1 to 4
     rows per forward, or up to 4 (P + 1) with a drafter, where the layouts run level and only
-    the compile time is longer), or at most ``cpu_matmul.MAX_ROWS`` float32 rows where that
-    kernel runs (it reads per-layer arrays in place: batch 8 / 16 / 32 greedy SmolLM2 decoded
-    1.32x / 1.23x / 1.06x as fast as over the stacks, BENCHMARKS.md), or any rows with the
+    the compile time is longer), or a widest forward (``forward_rows``, default ``rows``: an
+    engine's slots x (P + 1) with a drafter) of at most ``cpu_matmul.MAX_ROWS`` float32 rows
+    where that kernel runs (it reads per-layer arrays in place: batch 8 / 16 / 32 greedy
+    SmolLM2 decoded 1.32x / 1.23x / 1.06x as fast as over the stacks, while a verify of 64
+    rows ran slower than over them, BENCHMARKS.md), or any rows with the
     matrices in another ``dtype`` than float32 (:func:`with_dtype`: XLA:CPU's bfloat16 matmul
     of a copied slice runs at about half the speed of a float32 one, of an array read in place
     at about twice); "stacked" otherwise."""
@@ -135,7 +138,8 @@ def default_layout(state: nnx.State, rows: int, dtype=None) -> str:
                for d in x.sharding.device_set}
     on_one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
     low_precision = dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.float32)
-    kernel = not low_precision and rows <= cpu_matmul.MAX_ROWS and cpu_matmul.available()
+    widest = rows if forward_rows is None else forward_rows
+    kernel = not low_precision and widest <= cpu_matmul.MAX_ROWS and cpu_matmul.available()
     return ("unstacked" if on_one_cpu and (rows <= MAX_ROWS or low_precision or kernel)
             else "stacked")
 

@@ -143,6 +143,12 @@ def test_engines_take_the_default_layout_for_their_slots_or_the_one_asked_for():
     target = init_target(QWEN3, seed=3)
     assert Engine(target, slots=4, max_len=32).layer_weights == "unstacked"
     assert Engine(target, slots=33, max_len=32).layer_weights == "stacked"
+    if cpu_matmul.available():  # up to 32 rows per forward: slots x (P + 1) with a drafter
+        drafter = dspark_jax.init_drafter(target, seed=2)
+        wide = 32 // (1 + drafter.num_proposals) + 1
+        assert Engine(target, slots=8, max_len=32).layer_weights == "unstacked"
+        assert Engine(target, drafter, slots=wide, max_len=32).layer_weights == "stacked"
+        assert Engine(target, drafter, slots=1, max_len=32).layer_weights == "unstacked"
     assert Engine(target, slots=1, max_len=32, layer_weights="stacked").layer_weights == "stacked"
     with pytest.raises(ValueError, match="unknown layer weight layout"):
         Engine(target, slots=1, max_len=32, layer_weights="rows")
