@@ -1,19 +1,19 @@
 """A float32 product of a few rows by a weight matrix on x86 CPUs: ``cpu_matmul.cc``.
 
-XLA:CPU multiplies 2 to 16 float32 rows by a matrix at a fraction of the memory's speed, so
+XLA:CPU multiplies 2 to 32 float32 rows by a matrix at a fraction of the memory's speed, so
 on a 2-core Xeon a verify of 8 tokens cost 1.9 decode steps of SmolLM2-135M (BENCHMARKS.md,
 issue 19). ``cpu_matmul.cc`` reads the matrix once for all rows, through XLA's own thread pool,
-as an XLA FFI custom call: the 30 layers' matmuls of 8 rows take about 1.15x those of one row,
-against 1.6x for XLA's dot. Every result element is one fused multiply-add chain over the
-contraction in order, whatever the number of rows, so a token's product in a verify has the
-bits of the same token's product in a decode step.
+as an XLA FFI custom call: 8 rows through SmolLM2's layer matrices cost about 1.2x one row,
+against 2-2.6x with XLA's dot (BENCHMARKS.md, "A few-row float32 matmul kernel"). Every result
+element is computed by the same instructions in the same order whatever the number of rows, so
+a token's product in a verify has the bits of the same token's product in a decode step.
 
 :func:`matmul` uses it on CPU when the host has AVX-512 and a C++ compiler (``$CXX``, else
 ``c++``): the kernel is compiled on first use into :func:`storage.cache_dir` (a few seconds,
 once per source and jaxlib version) and registered with XLA. Elsewhere (other platforms under
 ``lax.platform_dependent``, no AVX-512, no compiler, ``DSPARK_JAX_CPU_MATMUL=0``) the product
-is ``jnp.einsum``. The layer scans' matmuls over per-layer arrays (``layer_weights``) of a
-float32 model take this path.
+is ``jnp.einsum``. The layer scans' matmuls over per-layer arrays (``layer_weights``) and the
+LM heads (``Decoder.logits``) of a float32 model take this path.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def _build() -> Path:
 @functools.cache
 def available() -> bool:
     """Whether :func:`matmul` runs the kernel on CPU here (built and registered on the first
-    call). False, with the reason logged once, without AVX-512 or a compiler, or with
-    ``DSPARK_JAX_CPU_MATMUL=0``."""
-    if os.environ.get("DSPARK_JAX_CPU_MATMUL", "1") == "0":
+    call). False, with the reason logged once, without AVX-512 or a compiler, with
+    ``DSPARK_JAX_CPU_MATMUL=0``, or where JAX's default backend is an accelerator (a TPU VM's
+    host CPU has AVX-512, but its programs run on the TPU)."""
+    if os.environ.get("DSPARK_JAX_CPU_MATMUL", "1") == "0" or jax.default_backend() != "cpu":
         return False
     if not _has_avx512():
         log.info("cpu_matmul: no AVX-512 on this host; float32 matmuls stay XLA's")
