@@ -3,8 +3,8 @@
 XLA:CPU multiplies 2 to 32 float32 rows by a matrix at a fraction of the memory's speed, so
 on a 2-core Xeon a verify of 8 tokens cost 1.9 decode steps of SmolLM2-135M (BENCHMARKS.md,
 issue 19). ``cpu_matmul.cc`` reads the matrix once for all rows, through XLA's own thread pool,
-as an XLA FFI custom call: 8 rows through SmolLM2's layer matrices cost about 1.2x one row,
-against 2-2.6x with XLA's dot (BENCHMARKS.md, "A few-row float32 matmul kernel"). Every result
+as an XLA FFI custom call: 8 rows through SmolLM2's layer matrices cost 1.15-1.7x one row,
+against 1.6-2.6x with XLA's dot (BENCHMARKS.md, "A few-row float32 matmul kernel"). Every result
 element is computed by the same instructions in the same order whatever the number of rows, so
 a token's product in a verify has the bits of the same token's product in a decode step.
 
