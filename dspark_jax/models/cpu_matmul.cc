@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] @ w[K, N] (or @ w[N, K]^T) in float32 for a few rows M, as XLA FFI
 // custom calls on CPU.
 //
-// XLA:CPU multiplies 2 to 16 float32 rows by a weight matrix at 35-60 GFLOP/s, so a
+// XLA:CPU multiplies 2 to 32 float32 rows by a weight matrix at 35-60 GFLOP/s, so a
 // speculative verify of 8 tokens costs about two decode steps where reading the weights once
 // (what one row costs) would allow one (BENCHMARKS.md, issue 19). This kernel reads each
 // weight matrix once for all rows: the threads of XLA's intra-op pool take column ranges, and
