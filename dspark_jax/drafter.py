@@ -68,12 +68,10 @@ class Drafter:
         over the stacks, BENCHMARKS.md). The draft law changes in its last bits; rejection
         sampling keeps the output law, and greedy outputs, exact for any draft law. Made once
         per :attr:`state` and dtype, as ``Target.inference_state``."""
-        if weight_dtype is None or jnp.dtype(weight_dtype) == self.dtype:
+        if weight_dtype is not None and jnp.dtype(weight_dtype) == self.dtype:
             weight_dtype = None
         layout = layer_weights.default_layout(self.state, self.config.block_size, weight_dtype)
-        if weight_dtype is None and layout == "stacked":
-            return self.state
-        return self._layouts.get(self.state, layout, weight_dtype)
+        return self._layouts.get(self.state, layout, weight_dtype)  # stacked, None: the state
 
     @property
     def num_proposals(self) -> int:

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -115,9 +116,7 @@ def _kernel(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
 def applies(x: jax.Array, w: jax.Array, preferred_element_type=None) -> bool:
     """Whether :func:`matmul` of x [..., K] by w runs the kernel on CPU: both float32, at
     most :data:`MAX_ROWS` rows, no other result dtype asked, the kernel available."""
-    rows = 1
-    for n in x.shape[:-1]:
-        rows *= n
+    rows = math.prod(x.shape[:-1])
     return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
             and preferred_element_type in (None, jnp.float32) and 0 < rows <= MAX_ROWS
             and available())
