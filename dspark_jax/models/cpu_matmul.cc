@@ -15,15 +15,14 @@
 // sixteen chains over k = l mod 16, then one fixed reduction): a row's result does not depend
 // on the other rows, so a decode step (M = 1) and a verify (M = 8) give a token the same bits.
 //
-// Built by dspark_jax/models/cpu_matmul.py with the host's C++ compiler (-O3 -mavx512f).
+// Built by dspark_jax/models/cpu_kernels.py with the host's C++ compiler (-O3 -mavx512f).
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -161,26 +160,8 @@ void ColumnsT(const float* x, const float* w, float* y, int64_t M, int64_t K, in
 using ColumnsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                            int64_t);
 
-// Column ranges taken by whoever is free: the caller and the tasks it schedules on XLA's pool.
-struct Job {
-  ColumnsFn columns;
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, K, N, chunks, chunk_columns;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      const int64_t c0 = c * chunk_columns;
-      columns(x, w, y, M, K, N, c0, std::min(N, c0 + chunk_columns));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// y = x @ w (transposed: w[N, K]) on the pool's threads, in chunks of whole 16-column vectors.
+// y = x @ w (transposed: w[N, K]) on the pool's threads, one chunk of whole 16-column vectors
+// each.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
                ffi::ResultBuffer<ffi::F32>& y, bool transposed) {
   const auto xd = x.dimensions();
@@ -195,26 +176,20 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
   int64_t M = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   if (M == 0 || N == 0) return ffi::Error::Success();
+  float* out = y->typed_data();
   if (K == 0) {
-    std::fill(y->typed_data(), y->typed_data() + M * N, 0.0f);
+    std::fill(out, out + M * N, 0.0f);
     return ffi::Error::Success();
   }
-  auto job = std::make_shared<Job>();
-  job->columns = transposed ? ColumnsT : Columns;
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->M = M;
-  job->K = K;
-  job->N = N;
+  const ColumnsFn columns = transposed ? ColumnsT : Columns;
+  const float* a = x.typed_data();
+  const float* b = w.typed_data();
   const int64_t vectors = (N + 15) / 16;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunks = std::min(threads, vectors);
-  job->chunk_columns = 16 * ((vectors + chunks - 1) / chunks);
-  job->chunks = (N + job->chunk_columns - 1) / job->chunk_columns;
-  for (int64_t t = 1; t < job->chunks; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  const int64_t chunks = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), vectors);
+  const int64_t width = 16 * ((vectors + chunks - 1) / chunks);
+  dspark::ParallelFor(pool, (N + width - 1) / width, 0, [=](int64_t c) {
+    columns(a, b, out, M, K, N, c * width, std::min(N, (c + 1) * width));
+  });
   return ffi::Error::Success();
 }
 

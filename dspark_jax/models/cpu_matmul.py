@@ -18,89 +18,29 @@ LM heads (``Decoder.logits``) of a float32 model take this path.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import storage
+from dspark_jax.models import cpu_kernels
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
 MAX_ROWS = 32  # the most rows (tokens times batch rows) multiplied by the kernel
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
-log = logging.getLogger(__name__)
-
-
-def _has_avx512() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512f" in flags
-
-
-def _build() -> Path:
-    """The kernel's shared library, compiled into the cache if not there yet (atomically: a
-    temporary file renamed into place, so concurrent processes never load a partial one)."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                         + jax.__version__.encode() + include.encode()).hexdigest()[:16]
-    folder = storage.cache_dir() / "kernels"
-    library = folder / f"cpu_matmul-{key}.so"
-    if not library.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", partial],
-                           check=True, capture_output=True, text=True)
-            os.replace(partial, library)
-        except subprocess.CalledProcessError as e:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}:\n{e.stderr[-2000:]}") from e
-        except OSError as e:
-            raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
-    return library
 
 
 @functools.cache
 def available() -> bool:
     """Whether :func:`matmul` runs the kernel on CPU here (built and registered on the first
-    call). False, with the reason logged once, without AVX-512 or a compiler, with
-    ``DSPARK_JAX_CPU_MATMUL=0``, or where JAX's default backend is an accelerator (a TPU VM's
-    host CPU has AVX-512, but its programs run on the TPU)."""
-    if os.environ.get("DSPARK_JAX_CPU_MATMUL", "1") == "0" or jax.default_backend() != "cpu":
-        return False
-    if not _has_avx512():
-        log.info("cpu_matmul: no AVX-512 on this host; float32 matmuls stay XLA's")
-        return False
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
-    except (OSError, RuntimeError) as e:
-        log.warning("cpu_matmul: the kernel is unavailable (%s); float32 matmuls stay XLA's", e)
-        return False
-    for name, handler in ((TARGETS[False], library.DsparkSmallMatmul),
-                          (TARGETS[True], library.DsparkSmallMatmulT)):
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
+    call): ``cpu_kernels.usable`` (AVX-512, the CPU as JAX's default backend,
+    ``DSPARK_JAX_CPU_MATMUL`` not "0") and the kernel built (a C++ compiler)."""
+    what = "float32 matmuls"
+    return (cpu_kernels.usable("DSPARK_JAX_CPU_MATMUL", what)
+            and cpu_kernels.register(SOURCE, {TARGETS[False]: "DsparkSmallMatmul",
+                                              TARGETS[True]: "DsparkSmallMatmulT"}, what))
 
 
 def _einsum(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:

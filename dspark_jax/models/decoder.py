@@ -31,7 +31,7 @@ from flax import nnx
 from dspark_jax.model_config import FULL, SLIDING, attention_dims, layer_groups
 from dspark_jax.models import cpu_matmul, layer_weights
 from dspark_jax.models.fused_attention import attend_cache, attend_segments
-from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.kv_cache import KVCache, StackedLayer
 from dspark_jax.models.layers import (MLP, Attention, Embedding, RMSNorm, _param, attend,
                                       rope_cos_sin, rope_frequencies, with_min_rows)
 
@@ -130,8 +130,8 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
 
     Args:
       model: the decoder.
-      body: ``body(layer, index, inputs, k_cache, v_cache, carry) -> (carry, out)``, one layer:
-        its merged module, its layer id (traced int), its inputs, its cache layer (or None).
+      body: ``body(layer, index, inputs, cache, carry) -> (carry, out)``, one layer: its merged
+        module, its layer id (traced int), its inputs, its ``kv_cache.StackedLayer`` (or None).
       carry: the scan carry (e.g. hidden states and taps).
       inputs_of: ``inputs_of(layer_type)`` -> the per-layer-type inputs (rope, masks), a pytree
         of the same structure for both types while a group mixes them (Gemma3).
@@ -144,7 +144,9 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
       layers.
 
     A run of part of a stack reads its layers from the whole stack (and cache) inside the scan,
-    by index, as a scan over a whole stack does: slicing the stack first would copy it.
+    by index, as a scan over a whole stack does: slicing the stack first would copy it. The
+    body gets the cache's stacks whole with its layer's index, so that a kernel can read the
+    layer where it lies (``fused_attention.attend_cache``).
     """
     cfg = model.config
     groups = layer_groups(cfg)
@@ -167,10 +169,12 @@ def run_layers(model: "Decoder", body, carry, inputs_of, caches, split_types: bo
 
         def step(carry, xs):
             entry, index, is_sliding = xs
-            state, k_cache, v_cache = jax.tree.map(lambda x: layer_weights.layer(x, entry, first),
-                                                   stack, is_leaf=layer_weights.is_unstacked)
+            weights, k_stack, v_stack = stack
+            state = jax.tree.map(lambda x: layer_weights.layer(x, entry, first), weights,
+                                 is_leaf=layer_weights.is_unstacked)
+            cache = None if k_stack is None else StackedLayer(k_stack, v_stack, entry)
             layer_inputs = inputs if sliding is None else pick(is_sliding, *inputs)
-            return body(nnx.merge(graphdef, state), index, layer_inputs, k_cache, v_cache, carry)
+            return body(nnx.merge(graphdef, state), index, layer_inputs, cache, carry)
 
         carry, out = jax.lax.scan(step, carry, (jnp.arange(first, end), jnp.asarray(ids), sliding))
         outs[g].append(out)
@@ -362,7 +366,7 @@ class Decoder(nnx.Module):
 
         tap_slot = jnp.asarray(tap_slot)
 
-        def step(layer, index, inputs, k_cache, v_cache, carry):
+        def step(layer, index, inputs, cache_l, carry):
             h, taps = carry
             attn = layer.self_attn
             (cos_l, sin_l), mask_l, committed_l, lengths_l, window_l = inputs
@@ -373,18 +377,18 @@ class Decoder(nnx.Module):
                 attended = attend_segments(q, k_new, v_new, segment_ids, scale=attn.scale,
                                            window=window_l, implementation=attention,
                                            max_segments=max_segments)
-            elif k_cache is None:
+            elif cache_l is None:
                 attended = attend(q, k_new, v_new, mask_l, scale=attn.scale)
             else:
-                attended = attend_cache(q, k_cache, v_cache, committed_l, k_new, v_new, mask_l,
-                                        lengths=lengths_l, scale=attn.scale,
+                attended = attend_cache(q, cache_l.k, cache_l.v, committed_l, k_new, v_new, mask_l,
+                                        layer=cache_l.index, lengths=lengths_l, scale=attn.scale,
                                         transposed_keys=cache.transposed_keys,
                                         implementation=cache_attention)
             h = layer.finish(h, attended)
             if taps is not None:
                 slot = tap_slot[index]
                 taps = jax.lax.cond(slot >= 0, lambda t: t.at[slot].set(h), lambda t: t, taps)
-            return (h, taps), (k_new, v_new) if k_cache is not None else None
+            return (h, taps), (k_new, v_new) if cache_l is not None else None
 
         (h, taps), outs = run_layers(self, step, (h, taps), inputs_of,
                                      None if cache is None else (cache.k, cache.v),

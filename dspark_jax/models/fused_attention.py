@@ -47,12 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from dspark_jax.models import cpu_attention
 from dspark_jax.models.kv_cache import slots_view
 from dspark_jax.sharding import logical_to_spec
 from dspark_jax.models.layers import attend, attend_blockwise, attend_cached, scores_of
 
 IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash")
-CACHE_IMPLEMENTATIONS = ("einsum", "pallas")
+CACHE_IMPLEMENTATIONS = ("einsum", "pallas", "cpu")
 SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be a multiple of one
 
 
@@ -62,8 +63,11 @@ def default_implementation() -> str:
 
 
 def default_cache_implementation() -> str:
-    """"pallas" on a GPU, "einsum" elsewhere (:func:`attend_cache`)."""
-    return "pallas" if jax.default_backend() == "gpu" else "einsum"
+    """"pallas" on a GPU, "cpu" where ``cpu_attention`` runs (x86 with AVX-512), "einsum"
+    elsewhere (:func:`attend_cache`)."""
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "cpu" if cpu_attention.available() else "einsum"
 
 
 def cudnn_applies(q: jax.Array, *lengths: int) -> bool:
@@ -253,16 +257,17 @@ def _splash(q, k, v, segment_ids, scale: float, window: int | None) -> jax.Array
 
 def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_visible: jax.Array,
                  k_new: jax.Array, v_new: jax.Array, new_visible: jax.Array, *,
-                 lengths: jax.Array | None = None, view: int | None = None,
-                 scale: float | None = None, transposed_keys: bool = True,
-                 implementation: str | None = None) -> jax.Array:
+                 layer: jax.Array | None = None, lengths: jax.Array | None = None,
+                 view: int | None = None, scale: float | None = None,
+                 transposed_keys: bool = True, implementation: str | None = None) -> jax.Array:
     """Attention of T new tokens per row over one layer of the KV cache and over each other.
 
     Args:
       q: [B, T, H, D] queries of the new tokens.
       k_cache, v_cache: one layer of the cache (kv_cache.py layout): keys [B, K, D, N]
         (``transposed_keys``) or [B, K, N, D], values [B, K, N, D]; read in the new keys' and
-        values' dtype.
+        values' dtype. With ``layer`` (int [], traced) the whole stacks [L, ...] instead, of
+        which layer ``layer`` is read.
       cache_visible: bool [B, T, view], True where query t may see slot s (the einsum's mask).
       k_new, v_new: [B, T, K, D] the new tokens' keys / values; new_visible: bool [B, T, T].
       lengths: int [B] when every query of row b sees exactly the slots < lengths[b] (a
@@ -276,6 +281,9 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
         no ``lengths``, or a view and head dim the kernel cannot tile
         (:func:`pallas_cache_split`). Under a mesh of several devices it runs per shard
         (:func:`_per_shard`). Off a GPU the kernel runs in Pallas' interpret mode (tests only).
+        "cpu" (``cpu_attention``: the stacks read in place, only the slots < ``lengths``) falls
+        back to the einsum without ``layer`` or ``lengths`` or where ``cpu_attention.applies``
+        does not hold (another dtype than float32, keys [.., N, D]); it ignores ``view``.
 
     Returns:
       [B, T, H, D]; a query with no visible key gets zeros.
@@ -284,6 +292,18 @@ def attend_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_vis
     if impl not in CACHE_IMPLEMENTATIONS:
         raise ValueError(f"unknown cache attention implementation {impl!r}; choose one of "
                          f"{', '.join(CACHE_IMPLEMENTATIONS)}")
+    if layer is not None:
+        if (impl == "cpu" and lengths is not None
+                and cpu_attention.applies(q, k_cache, v_cache, k_new, v_new, transposed_keys)):
+            def einsum(q, k_cache, v_cache, layer, lengths, k_new, v_new, new_visible):
+                return attend_cache(q, k_cache, v_cache, cache_visible, k_new, v_new, new_visible,
+                                    layer=layer, lengths=lengths, view=view, scale=scale,
+                                    transposed_keys=transposed_keys, implementation="einsum")
+            return cpu_attention.attend(q, k_cache, v_cache, layer, lengths, k_new, v_new,
+                                        new_visible, otherwise=einsum,
+                                        scale=q.shape[-1] ** -0.5 if scale is None else scale)
+        k_cache, v_cache = (jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+                            for x in (k_cache, v_cache))
     if view is not None:
         k_cache = slots_view(k_cache, view, transposed_keys=transposed_keys)
         v_cache = slots_view(v_cache, view, transposed_keys=False)

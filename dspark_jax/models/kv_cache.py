@@ -26,6 +26,8 @@ every method works group by group.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -114,6 +116,18 @@ class KVCache:
         (rows beyond the cache are dropped)."""
         return jax.tree.map(lambda full, part: full.at[:, rows].set(part.astype(full.dtype), mode="drop"),
                             self, new)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedLayer:
+    """Layer ``index`` (traced int) of a cache's stacks ``k`` and ``v`` (one group's, [L, ...]
+    as in :class:`KVCache`), inside a scan over the layers: the stacks stay whole, so that a
+    kernel can read the layer where it lies (``fused_attention.attend_cache``; a slice of it
+    would be a copy on XLA:CPU)."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
 
 
 def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,

@@ -112,7 +112,7 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
             return x.reshape((num_rows, width) + x.shape[1:])
         return to_grid(x, rows, cols, num_rows, width)
 
-    def step(layer, index, inputs, k_cache, v_cache, carry):
+    def step(layer, index, inputs, cache_l, carry):
         h, taps = carry
         attn = layer.self_attn
         (cos_l, sin_l), cached_l, lengths_l, causal_l, window_l = inputs
@@ -121,8 +121,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         k_new, v_new = (t[0] for t in attn.keys_values(x, cos_l, sin_l))
         k_grid, v_grid, q_grid = (grid(x) for x in (k_new, v_new, q))
         if num_slots:
-            out = attend_cache(q_grid, k_cache, v_cache, cached_l, k_grid, v_grid, causal_l,
-                               lengths=lengths_l, view=num_slots, scale=attn.scale,
+            out = attend_cache(q_grid, cache_l.k, cache_l.v, cached_l, k_grid, v_grid, causal_l,
+                               layer=cache_l.index, lengths=lengths_l, view=num_slots, scale=attn.scale,
                                transposed_keys=cache.transposed_keys, implementation=cache_attention)
         elif fused:  # a prefill: each row one segment of its tokens
             out = attend_segments(q_grid, k_grid, v_grid, row_tokens, scale=attn.scale,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.models import cpu_matmul
+from dspark_jax.models import cpu_kernels, cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no cpu_matmul kernel here")
 
@@ -83,5 +83,5 @@ def test_it_can_be_turned_off_and_a_missing_compiler_is_named(tmp_path, monkeypa
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler .*no-such-compiler"):
-        cpu_matmul._build()
+        cpu_kernels.build(cpu_matmul.SOURCE)
     assert not list(tmp_path.rglob("*.so*"))  # nothing partial left behind

@@ -1,0 +1,306 @@
+// Attention of T new tokens per row over one layer of the KV cache and over each other, in
+// float32, as an XLA FFI custom call on CPU.
+//
+// A decode or verify step of the einsum path (layers.attend_cached) first copies each layer's
+// cache out of the stacked [L, ...] arrays (the layer scan's dynamic slice), then reads every
+// slot of the step's view, committed or not, in two batched matmuls: about a tenth of a decode
+// step and a quarter of a verify of 8 tokens on a 2-core Xeon (BENCHMARKS.md, issue 19). This
+// kernel takes the whole stacked cache and the layer's index, so it reads the layer where it
+// lies, and reads only each row's committed slots (lengths[b]).
+//
+// One work item is new token t of row b for up to four query heads of one kv head (they read
+// its keys and values once), taken by whoever of XLA's intra-op threads is free
+// (cpu_parallel.h). A query's keys, in position order, are the committed slots s < lengths[b]
+// of its kv head, then the new tokens t' its row's mask shows it. Their scores go to a scratch
+// row, then one softmax (max, exp, sum in 16 fixed lanes) and one weighted sum of the values
+// (a fused multiply-add chain over the keys in order). A score is one fused multiply-add chain
+// over the head dim, by the same code whether its key is a committed slot or a new token (laid
+// out as the cache holds keys): the result for a query depends only on the keys it sees, so a
+// token's attention in a verify has the bits of the same token's attention in a decode step,
+// where the tokens before it are committed slots.
+//
+// Built by dspark_jax/models/cpu_kernels.py with the host's C++ compiler (-O3 -mavx512f).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kSlotVectors = 4;  // 16-slot vectors of scores per pass over the head dim
+constexpr int kMaxHeadVectors = 16;  // head dims up to 256
+
+__mmask16 Mask(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// exp(x) for x <= 0 lane by lane (Cephes' expf polynomial, about 1 ulp): x = n ln 2 + r,
+// exp(x) = 2^n exp(r) with |r| <= ln 2 / 2.
+__m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+struct Shapes {
+  int64_t B, T, H, K, D, N;
+};
+
+constexpr int kMaxHeads = 4;  // query heads of one kv head attended together (sharing its keys)
+
+// scores[q][s] = scale * queries[q] . keys[:, s] for QB queries and s in [0, len): keys [D, N]
+// (a kv head's transposed cache), each lane one fused multiply-add chain over d = 0 .. D-1.
+template <int QB>
+void CacheScores(const float* const* queries, const float* keys, int64_t D, int64_t N,
+                 int64_t len, float scale, float* const* scores) {
+  for (int64_t s0 = 0; s0 < len; s0 += 16 * kSlotVectors) {
+    __mmask16 mask[kSlotVectors];
+    __m512 acc[QB][kSlotVectors];
+#pragma GCC unroll 4
+    for (int j = 0; j < kSlotVectors; ++j) {
+      mask[j] = Mask(std::max<int64_t>(0, len - s0 - 16 * j));
+#pragma GCC unroll 4
+      for (int q = 0; q < QB; ++q) acc[q][j] = _mm512_setzero_ps();
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      const float* row = keys + d * N + s0;
+      __m512 k[kSlotVectors];
+#pragma GCC unroll 4
+      for (int j = 0; j < kSlotVectors; ++j) k[j] = _mm512_maskz_loadu_ps(mask[j], row + 16 * j);
+#pragma GCC unroll 4
+      for (int q = 0; q < QB; ++q) {
+        const __m512 qd = _mm512_set1_ps(queries[q][d]);
+#pragma GCC unroll 4
+        for (int j = 0; j < kSlotVectors; ++j) acc[q][j] = _mm512_fmadd_ps(qd, k[j], acc[q][j]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < QB; ++q) {
+#pragma GCC unroll 4
+      for (int j = 0; j < kSlotVectors; ++j) {
+        _mm512_mask_storeu_ps(scores[q] + s0 + 16 * j, mask[j],
+                              _mm512_mul_ps(acc[q][j], _mm512_set1_ps(scale)));
+      }
+    }
+  }
+}
+
+// Softmax weights in place over scores[0 .. n) (n > 0); returns their sum.
+float Softmax(float* s, int64_t n) {
+  __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(peak, Mask(n - i), s + i));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = Mask(n - i);
+    const __m512 w = _mm512_maskz_mov_ps(
+        mask, Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m)));
+    _mm512_mask_storeu_ps(s + i, mask, w);
+    sum = _mm512_add_ps(sum, w);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// out[q][0 .. 16 DV) = sum_i weights[q][i] value_i / denom[q] for QB queries over the same n
+// keys in order: the first `len` from the cache (values [N, D], slot-major), the rest new
+// tokens (new_values[i - len]).
+template <int QB, int DV>
+void Weighted(const float* const* weights, int64_t n, int64_t len, const float* cache_values,
+              const float* const* new_values, const float* denom, float* const* out) {
+  __m512 acc[QB][DV];
+#pragma GCC unroll 4
+  for (int q = 0; q < QB; ++q) {
+#pragma GCC unroll 16
+    for (int j = 0; j < DV; ++j) acc[q][j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = i < len ? cache_values + i * 16 * DV : new_values[i - len];
+    __m512 w[QB];
+#pragma GCC unroll 4
+    for (int q = 0; q < QB; ++q) w[q] = _mm512_set1_ps(weights[q][i]);
+#pragma GCC unroll 16
+    for (int j = 0; j < DV; ++j) {
+      const __m512 value = _mm512_loadu_ps(v + 16 * j);
+#pragma GCC unroll 4
+      for (int q = 0; q < QB; ++q) acc[q][j] = _mm512_fmadd_ps(w[q], value, acc[q][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < QB; ++q) {
+    const __m512 div = _mm512_set1_ps(denom[q]);
+#pragma GCC unroll 16
+    for (int j = 0; j < DV; ++j) _mm512_storeu_ps(out[q] + 16 * j, _mm512_div_ps(acc[q][j], div));
+  }
+}
+
+using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, int64_t, float,
+                          float* const*);
+using WeightedFn = void (*)(const float* const*, int64_t, int64_t, const float*,
+                            const float* const*, const float*, float* const*);
+
+constexpr ScoresFn kScores[kMaxHeads] = {CacheScores<1>, CacheScores<2>, CacheScores<3>,
+                                         CacheScores<4>};
+
+template <int QB>
+constexpr WeightedFn kWeightedOf[kMaxHeadVectors] = {
+    Weighted<QB, 1>,  Weighted<QB, 2>,  Weighted<QB, 3>,  Weighted<QB, 4>,
+    Weighted<QB, 5>,  Weighted<QB, 6>,  Weighted<QB, 7>,  Weighted<QB, 8>,
+    Weighted<QB, 9>,  Weighted<QB, 10>, Weighted<QB, 11>, Weighted<QB, 12>,
+    Weighted<QB, 13>, Weighted<QB, 14>, Weighted<QB, 15>, Weighted<QB, 16>};
+
+constexpr const WeightedFn* kWeighted[kMaxHeads] = {kWeightedOf<1>, kWeightedOf<2>,
+                                                    kWeightedOf<3>, kWeightedOf<4>};
+
+// Queries of the values' pass held at once: their accumulators (16 DV floats each) within
+// 24 of the 32 vector registers.
+int ValueHeads(int64_t D) {
+  return static_cast<int>(std::clamp<int64_t>(24 / (D / 16), 1, kMaxHeads));
+}
+
+// Per thread: the scores of a block's queries over their keys, and the new keys' values.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<float> new_keys;  // the kv head's new keys, [D, T] as the cache holds keys
+  std::vector<float> new_scores;
+  std::vector<const float*> new_values;
+};
+
+// The queries of query heads [h0, h0 + qb) of row b's new token t, all of kv head kv.
+void Queries(const Shapes& sh, int64_t b, int64_t kv, int64_t h0, int qb, int64_t t,
+             const float* q, const float* keys, const float* values, const int32_t* lengths,
+             const float* k_new, const float* v_new, const bool* visible, float scale,
+             float* out, Scratch& scratch) {
+  const int64_t D = sh.D, T = sh.T, K = sh.K, H = sh.H;
+  const int64_t len = std::clamp<int64_t>(lengths[b], 0, sh.N);
+  const int64_t width = len + T;  // a query's keys at most
+  scratch.scores.resize(qb * width);
+  scratch.new_keys.resize(D * T);
+  scratch.new_scores.resize(qb * T);
+  scratch.new_values.resize(T);
+  const float* query[kMaxHeads];
+  float* scores[kMaxHeads];
+  float* new_scores[kMaxHeads];
+  float* o[kMaxHeads];
+  for (int i = 0; i < qb; ++i) {
+    query[i] = q + ((b * T + t) * H + h0 + i) * D;
+    scores[i] = scratch.scores.data() + i * width;
+    new_scores[i] = scratch.new_scores.data() + i * T;
+    o[i] = out + ((b * T + t) * H + h0 + i) * D;
+  }
+  kScores[qb - 1](query, keys + (b * K + kv) * D * sh.N, D, sh.N, len, scale, scores);
+  // The new tokens' keys laid out as the cache's, scored by the same chains: a key's score has
+  // the same bits whether it is a new token's or, in a later step, a committed slot's.
+  float* laid = scratch.new_keys.data();
+  for (int64_t u = 0; u < T; ++u) {
+    const float* key = k_new + ((b * T + u) * K + kv) * D;
+    for (int64_t d = 0; d < D; ++d) laid[d * T + u] = key[d];
+  }
+  kScores[qb - 1](query, laid, D, T, T, scale, new_scores);
+  int64_t n = len;
+  for (int64_t u = 0; u < T; ++u) {
+    if (!visible[(b * T + t) * T + u]) continue;
+    for (int i = 0; i < qb; ++i) scores[i][n] = new_scores[i][u];
+    scratch.new_values[n - len] = v_new + ((b * T + u) * K + kv) * D;
+    ++n;
+  }
+  if (n == 0) {  // nothing visible: zeros, as the einsum's safe softmax gives
+    for (int i = 0; i < qb; ++i) std::fill(o[i], o[i] + D, 0.0f);
+    return;
+  }
+  float denom[kMaxHeads];
+  for (int i = 0; i < qb; ++i) denom[i] = Softmax(scores[i], n);
+  const float* cache_values = values + (b * K + kv) * sh.N * D;
+  const int step = ValueHeads(D);
+  for (int i = 0; i < qb; i += step) {
+    const int m = std::min(step, qb - i);
+    kWeighted[m - 1][D / 16 - 1](scores + i, n, len, cache_values, scratch.new_values.data(),
+                                 denom + i, o + i);
+  }
+}
+
+ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                           ffi::Buffer<ffi::PRED> new_visible, float scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  const auto nd = k_new.dimensions(), md = new_visible.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || nd.size() != 4 || md.size() != 3) {
+    return ffi::Error::InvalidArgument(
+        "cached_attention: q [B, T, H, D], k_cache [L, B, K, D, N], v_cache [L, B, K, N, D], "
+        "k_new [B, T, K, D] and new_visible [B, T, T] expected");
+  }
+  const Shapes sh{qd[0], qd[1], qd[2], kd[2], qd[3], kd[4]};
+  const int64_t L = kd[0];
+  if (kd[1] != sh.B || kd[3] != sh.D || vd[0] != L || vd[1] != sh.B || vd[2] != sh.K ||
+      vd[3] != sh.N || vd[4] != sh.D || nd[0] != sh.B || nd[1] != sh.T || nd[2] != sh.K ||
+      nd[3] != sh.D || md[0] != sh.B || md[1] != sh.T || md[2] != sh.T ||
+      lengths.element_count() != sh.B || sh.K == 0 || sh.H % sh.K != 0) {
+    return ffi::Error::InvalidArgument("cached_attention: inconsistent shapes");
+  }
+  if (sh.D % 16 != 0 || sh.D > 16 * kMaxHeadVectors) {
+    return ffi::Error::InvalidArgument("cached_attention: a head dim that is a multiple of 16 "
+                                       "up to 256 expected");
+  }
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= L) {
+    return ffi::Error::InvalidArgument("cached_attention: layer index out of range");
+  }
+  const float* keys = k_cache.typed_data() + index * sh.B * sh.K * sh.D * sh.N;
+  const float* values = v_cache.typed_data() + index * sh.B * sh.K * sh.N * sh.D;
+  const float* qp = q.typed_data();
+  const int32_t* lp = lengths.typed_data();
+  const float* kn = k_new.typed_data();
+  const float* vn = v_new.typed_data();
+  const bool* vis = new_visible.typed_data();
+  float* op = out->typed_data();
+  // One item: row b, kv head kv, new token t, and a block of up to kMaxHeads of its query heads.
+  const int64_t groups = sh.H / sh.K;
+  const int64_t blocks = (groups + kMaxHeads - 1) / kMaxHeads;
+  dspark::ParallelFor(pool, sh.B * sh.K * blocks * sh.T, 0, [=](int64_t i) {
+    thread_local Scratch scratch;
+    const int64_t t = i % sh.T, block = (i / sh.T) % blocks, kv = (i / (sh.T * blocks)) % sh.K;
+    const int64_t b = i / (sh.T * blocks * sh.K);
+    const int64_t h0 = kv * groups + block * kMaxHeads;
+    const int qb = static_cast<int>(std::min<int64_t>(kMaxHeads, groups - block * kMaxHeads));
+    Queries(sh, b, kv, h0, qb, t, qp, keys, values, lp, kn, vn, vis, scale, op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkCachedAttention, CachedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_new
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // new_visible
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

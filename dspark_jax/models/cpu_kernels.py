@@ -1,0 +1,98 @@
+"""Building and registering this package's C++ CPU kernels (XLA FFI custom calls).
+
+Each kernel is one C++ source beside this module (``cpu_matmul.cc``, ``cpu_attention.cc``) that
+includes ``cpu_parallel.h``. :func:`register` compiles a source with the host's C++ compiler
+(``$CXX``, else ``c++``; ``-O3 -mavx512f``) into :func:`storage.cache_dir` on first use (a few
+seconds, once per source, header and jaxlib version; atomically, so concurrent processes never
+load a partial library), loads it and registers its handlers with XLA for the CPU platform.
+:func:`usable` says whether a kernel may run here at all: it is switched on (its environment
+variable is not "0"), JAX's default backend is the CPU (a TPU VM's host has AVX-512, but its
+programs run on the TPU) and the host has AVX-512.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from dspark_jax import storage
+
+HERE = Path(__file__).parent
+HEADERS = (HERE / "cpu_parallel.h",)  # included by every kernel: part of each build's key
+FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
+log = logging.getLogger(__name__)
+
+
+def _has_avx512() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512f" in flags
+
+
+def usable(switch: str, what: str) -> bool:
+    """Whether a kernel switched by the environment variable ``switch`` may run here (its
+    reason logged when not); ``what`` names the work that otherwise stays XLA's."""
+    if os.environ.get(switch, "1") == "0" or jax.default_backend() != "cpu":
+        return False
+    if not _has_avx512():
+        log.info("no AVX-512 on this host; %s stay XLA's", what)
+        return False
+    return True
+
+
+def build(source: Path) -> Path:
+    """The shared library of ``source``, compiled into the cache if not there yet (a temporary
+    file renamed into place)."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
+    include = jax.ffi.include_dir()
+    text = b"".join(p.read_bytes() for p in (source, *HEADERS))
+    key = hashlib.sha256(text + " ".join(FLAGS).encode() + jax.__version__.encode()
+                         + include.encode()).hexdigest()[:16]
+    folder = storage.cache_dir() / "kernels"
+    library = folder / f"{source.stem}-{key}.so"
+    if not library.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, f"-I{include}", f"-I{HERE}", str(source),
+                            "-o", partial], check=True, capture_output=True, text=True)
+            os.replace(partial, library)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"{compiler} failed on {source.name}:\n{e.stderr[-2000:]}") from e
+        except OSError as e:
+            raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    return library
+
+
+def register(source: Path, handlers: dict[str, str], what: str) -> bool:
+    """Builds and loads ``source`` and registers its handler symbols as FFI targets
+    (``handlers``: target name -> symbol) on the CPU; False, with the reason logged, where
+    that fails (``what`` names the work that then stays XLA's)."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build(source)))
+    except (OSError, RuntimeError) as e:
+        log.warning("%s: the kernel is unavailable (%s); %s stay XLA's", source.name, e, what)
+        return False
+    for target, symbol in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+    return True

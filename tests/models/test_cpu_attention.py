@@ -1,0 +1,128 @@
+"""``models.cpu_attention``: the attention over one layer of a stacked float32 cache on x86
+CPUs equals the einsum's (``layers.attend_cached``) to float32 rounding, reads only each row's
+committed slots, gives a token in a verify the bits it gets in a decode step, stays out of
+programs it does not apply to, and names bad input."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.models import cpu_attention, fused_attention, layers
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason="no cpu_attention kernel here")
+
+
+def _operands(layers_, rows, tokens, heads, kv_heads, head_dim, slots, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    return dict(q=f(rows, tokens, heads, head_dim),
+                k_cache=f(layers_, rows, kv_heads, head_dim, slots),
+                v_cache=f(layers_, rows, kv_heads, slots, head_dim),
+                k_new=f(rows, tokens, kv_heads, head_dim), v_new=f(rows, tokens, kv_heads, head_dim))
+
+
+def _kernel(x, layer, lengths, new_visible, scale):
+    return np.asarray(jax.jit(lambda *a: cpu_attention._kernel(*a, scale=scale))(
+        x["q"], x["k_cache"], x["v_cache"], layer, lengths, x["k_new"], x["v_new"], new_visible))
+
+
+def _einsum(x, layer, lengths, new_visible, scale):
+    slots = x["v_cache"].shape[3]
+    committed = np.arange(slots)[None, None, :] < np.asarray(lengths)[:, None, None]
+    committed = np.broadcast_to(committed, x["q"].shape[:2] + (slots,))
+    return np.asarray(layers.attend_cached(
+        x["q"], x["k_cache"][layer], x["v_cache"][layer], committed, x["k_new"], x["v_new"],
+        new_visible, scale=scale))
+
+
+# (layers, rows, tokens, heads, kv heads, head dim, slots): SmolLM2's heads (9 over 3, 64),
+# 4 heads of 128 over one kv head (values 3 heads at a time), 10 over one (blocks of 4, 4, 2),
+# 16-wide heads, a slot count off the 64-slot passes.
+SHAPES = [(3, 2, 5, 9, 3, 64, 100), (2, 1, 1, 4, 1, 128, 70), (1, 2, 3, 10, 1, 32, 40),
+          (1, 3, 8, 2, 2, 16, 257)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_it_is_the_einsums_attention_over_the_committed_slots(shape):
+    x = _operands(*shape)
+    num_layers, rows, tokens = shape[:3]
+    slots = shape[-1]
+    lengths = np.array([slots - 3, 0, slots + 5][:rows], np.int32)  # a full, an empty, a clipped row
+    visible = np.broadcast_to(np.tril(np.ones((tokens, tokens), bool)), (rows, tokens, tokens)).copy()
+    visible[-1, :, tokens // 2:] = False  # a row whose last tokens are padding
+    for layer in range(num_layers):
+        got = _kernel(x, layer, lengths, visible, 0.125)
+        want = _einsum(x, layer, np.minimum(lengths, slots), visible, 0.125)
+        assert got.shape == x["q"].shape and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_a_query_that_sees_nothing_gets_zeros():
+    x = _operands(1, 1, 2, 2, 1, 16, 8)
+    visible = np.array([[[False, False], [True, True]]])
+    got = _kernel(x, 0, np.array([0], np.int32), visible, 0.25)
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+    np.testing.assert_allclose(got[0, 1], _einsum(x, 0, [0], visible, 0.25)[0, 1], atol=2e-6)
+
+
+def test_a_verified_token_gets_the_bits_of_its_decode_step():
+    num_layers, rows, tokens, heads, kv_heads, head_dim, slots = 2, 2, 6, 6, 2, 64, 90
+    x = _operands(num_layers, rows, tokens, heads, kv_heads, head_dim, slots, seed=3)
+    start = np.array([37, 5], np.int32)
+    causal = np.broadcast_to(np.tril(np.ones((tokens, tokens), bool)), (rows, tokens, tokens))
+    verify = _kernel(x, 1, start, causal, 0.125)
+    one = dict(x)
+    one["k_cache"], one["v_cache"] = x["k_cache"].copy(), x["v_cache"].copy()
+    for t in range(tokens):  # the decode step of token t, tokens before it committed
+        step = {k: v[:, t:t + 1] if k in ("q", "k_new", "v_new") else v for k, v in one.items()}
+        got = _kernel(step, 1, start + t, np.ones((rows, 1, 1), bool), 0.125)
+        np.testing.assert_array_equal(got[:, 0], verify[:, t])
+        for b in range(rows):
+            one["k_cache"][1, b, :, :, start[b] + t] = x["k_new"][b, t]
+            one["v_cache"][1, b, :, start[b] + t] = x["v_new"][b, t]
+
+
+def _custom_calls(f, *args, **lower) -> int:
+    return jax.jit(f).trace(*args).lower(**lower).as_text().count(cpu_attention.TARGET)
+
+
+def test_attend_cache_runs_it_only_where_it_applies():
+    x = _operands(2, 1, 3, 4, 2, 64, 32)
+    visible = np.ones((1, 3, 3), bool)
+    lengths = np.array([20], np.int32)
+    committed = np.broadcast_to(np.arange(32) < lengths[0], (1, 3, 32))
+
+    def attend(q, k_cache, v_cache, k_new, v_new, **kw):
+        return fused_attention.attend_cache(q, k_cache, v_cache, committed, k_new, v_new, visible,
+                                            scale=0.125, **kw)
+
+    args = [x[k] for k in ("q", "k_cache", "v_cache", "k_new", "v_new")]
+    on = dict(layer=jnp.int32(1), lengths=lengths, implementation="cpu")
+    assert fused_attention.default_cache_implementation() == "cpu"
+    assert _custom_calls(lambda *a: attend(*a, **on), *args) == 1
+    assert _custom_calls(lambda *a: attend(*a, **dict(on, lengths=None)), *args) == 0  # a window
+    assert _custom_calls(lambda *a: attend(*a, **dict(on, implementation="einsum")), *args) == 0
+    half = [a.astype(jnp.bfloat16) for a in args]
+    assert _custom_calls(lambda *a: attend(*a, **on), *half) == 0
+    # Lowered for another platform, the program attends with the einsum.
+    assert _custom_calls(lambda *a: attend(*a, **on), *args, lowering_platforms=("cuda",)) == 0
+    got = jax.jit(lambda *a: attend(*a, **on))(*args)
+    want = jax.jit(lambda *a: attend(*a, **dict(on, implementation="einsum")))(*args)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_bad_input_is_named_and_it_can_be_turned_off():
+    x = _operands(2, 1, 1, 2, 1, 16, 8)
+    with pytest.raises(Exception, match="layer index out of range"):
+        _kernel(x, 2, np.array([3], np.int32), np.ones((1, 1, 1), bool), 0.25)
+    env = dict(os.environ, DSPARK_JAX_CPU_ATTENTION="0")
+    off = subprocess.run([sys.executable, "-c", "from dspark_jax.models import fused_attention; "
+                          "print(fused_attention.default_cache_implementation())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "einsum"
