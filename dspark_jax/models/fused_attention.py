@@ -26,9 +26,12 @@ streams only its committed slots, split over 16 or more programs), with the T ne
 verify folded into the query heads, and merges it with the T x T part by the softmax residuals.
 Under a mesh the kernel runs per shard (``jax.shard_map`` over rows and kv heads, sharded as the
 cache is: a Pallas call has no sharding rule of its own, so XLA would gather the whole cache to
-every device). Elsewhere the einsum (:func:`layers.attend_cached`): on TPUs and CPUs, for
-sliding-window layers and for stacks that mix layer types (Gemma3), whose lengths do not bound
-what a query sees.
+every device). On an x86 CPU with AVX-512, ``"cpu"`` runs ``cpu_attention``'s FFI kernel over
+float32 caches: it takes the whole stacked cache and the layer's index (the decoder's layer
+scan passes them, ``kv_cache.StackedLayer``), so the layer is read where it lies instead of
+copied out, and each row's committed slots only. Elsewhere the einsum
+(:func:`layers.attend_cached`): on TPUs, on other CPUs, for sliding-window layers and for stacks
+that mix layer types (Gemma3), whose lengths do not bound what a query sees.
 
 ``"xla"`` is ``jax.nn.dot_product_attention``'s portable implementation: the cuDNN route's
 arguments, checkable on a CPU. Off a TPU, splash runs in Pallas' interpret mode (tests only).
