@@ -44,11 +44,14 @@ def applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Arr
             v_new: jax.Array, transposed_keys: bool) -> bool:
     """Whether :func:`attend` takes these operands: all float32, keys stacked [L, B, K, D, N]
     (``transposed_keys``, the CPU's layout), a head dim that is a multiple of 16 up to
-    :data:`MAX_HEAD_DIM`, and the kernel available."""
+    :data:`MAX_HEAD_DIM`, no mesh of several devices (a custom call has no sharding rule: XLA
+    would gather the cache to every device; the einsum is partitioned), and the kernel
+    available."""
     d = q.shape[-1]
+    mesh = jax.sharding.get_abstract_mesh()
     return (transposed_keys and k_cache.ndim == 5 and d % 16 == 0 and d <= MAX_HEAD_DIM
             and all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache, k_new, v_new))
-            and available())
+            and (mesh.empty or mesh.size == 1) and available())
 
 
 def _kernel(q, k_cache, v_cache, layer, lengths, k_new, v_new, new_visible, *, scale: float):

@@ -110,6 +110,9 @@ def test_attend_cache_runs_it_only_where_it_applies():
     assert _custom_calls(lambda *a: attend(*a, **dict(on, implementation="einsum")), *args) == 0
     half = [a.astype(jnp.bfloat16) for a in args]
     assert _custom_calls(lambda *a: attend(*a, **on), *half) == 0
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("data",))):
+        assert not cpu_attention.applies(*args, True)  # the einsum, partitioned
+    assert cpu_attention.applies(*args, True)
     # Lowered for another platform, the program attends with the einsum.
     assert _custom_calls(lambda *a: attend(*a, **on), *args, lowering_platforms=("cuda",)) == 0
     got = jax.jit(lambda *a: attend(*a, **on))(*args)
