@@ -1,7 +1,8 @@
 """``models.cpu_attention``: the attention over one layer of a stacked float32 cache on x86
 CPUs equals the einsum's (``layers.attend_cached``) to float32 rounding, reads only each row's
 committed slots, gives a token in a verify the bits it gets in a decode step, stays out of
-programs it does not apply to, and names bad input."""
+programs it does not apply to, names bad input, and is what the engine's programs attend
+with, greedy speculative decoding equal to greedy autoregressive decoding through it."""
 
 import os
 import subprocess
@@ -12,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dspark_jax
+from dspark_jax import engine
 from dspark_jax.models import cpu_attention, fused_attention, layers
+from dspark_jax.target import init_target
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="no cpu_attention kernel here")
@@ -129,3 +133,24 @@ def test_bad_input_is_named_and_it_can_be_turned_off():
                           "print(fused_attention.default_cache_implementation())"],
                          env=env, capture_output=True, text=True, check=True)
     assert off.stdout.strip() == "einsum"
+
+
+# A target whose heads the kernel takes (the other engine tests' Qwen3 has 8-wide heads, which
+# attend through the einsum).
+LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=48, hidden_size=32,
+             intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, eos_token_id=3, max_position_embeddings=512)
+PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12, 14, 20, 21], [17]]
+
+
+@pytest.mark.parametrize("weight_dtype", [None, "bfloat16"])
+def test_the_engine_attends_through_it_and_speculative_equals_autoregressive(weight_dtype):
+    target = init_target(LLAMA, seed=4)
+    drafter = dspark_jax.init_drafter(target, seed=5)
+    kw = dict(max_new_tokens=16, weight_dtype=weight_dtype)
+    engine.clear_compiled_programs()
+    ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, **kw)]
+    assert any(cpu_attention.TARGET in p.as_text() for p in engine.compiled_programs())
+    sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, drafter=drafter, **kw)]
+    assert sp == ar and any(len(t) > 1 for t in ar)
+
