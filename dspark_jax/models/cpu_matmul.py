@@ -75,6 +75,20 @@ def _product_jvp(transpose_w, primals, tangents):
             _einsum(dx, w, transpose_w) + _einsum(x, dw, transpose_w))
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """x [..., K] -> [...], each row's sum over its last axis. Where the kernel runs (float32,
+    the CPU, no mesh of several devices: a custom call has no sharding rule), for any number
+    of rows, as x times a column of ones: one fused multiply-add chain per row in order, so a
+    row's sum has the same bits whatever the other rows (XLA:CPU's reduction sums a row in
+    another order when it has 8 rows than when it has one). ``jnp.sum`` otherwise, and on any
+    other platform the program is lowered for. Differentiable."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (x.dtype == jnp.float32 and x.ndim and x.size and (mesh.empty or mesh.size == 1)
+            and available()):
+        return jnp.sum(x, axis=-1)
+    return _product(x, jnp.ones((x.shape[-1], 1), x.dtype), False)[..., 0]
+
+
 def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] (``transpose_w``: w [N, K], e.g. an embedding table as
     the LM head), float32: the kernel on CPU where :func:`applies`, ``jnp.einsum`` otherwise

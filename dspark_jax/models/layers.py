@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, attention_dims
+from dspark_jax.models import cpu_matmul
 from dspark_jax.models.layer_weights import LayerKernel
 
 INIT_STD = 0.02
@@ -55,7 +56,8 @@ class RMSNorm(nnx.Module):
         """x: [..., dim] -> [..., dim] in x.dtype (without a weight: only normalised, as
         Gemma4's value norm)."""
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        mean_square = cpu_matmul.row_sum(xf * xf)[..., None] / xf.shape[-1]  # rows independent
+        xf = xf * jax.lax.rsqrt(mean_square + self.eps)
         if self.weight is None:
             return xf.astype(x.dtype)
         if self.offset:

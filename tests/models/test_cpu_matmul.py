@@ -85,3 +85,16 @@ def test_it_can_be_turned_off_and_a_missing_compiler_is_named(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler .*no-such-compiler"):
         cpu_kernels.build(cpu_matmul.SOURCE)
     assert not list(tmp_path.rglob("*.so*"))  # nothing partial left behind
+
+
+def test_row_sums_do_not_depend_on_the_other_rows():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((40, 576)).astype(np.float32))
+    sums = jax.jit(cpu_matmul.row_sum)
+    got = np.asarray(sums(x))
+    np.testing.assert_allclose(got, np.asarray(x, np.float64).sum(-1), rtol=0, atol=1e-4)
+    for rows in (1, 3, 8):
+        np.testing.assert_array_equal(np.asarray(sums(x[:rows])), got[:rows])
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(cpu_matmul.row_sum(x))))(x[:2])
+    np.testing.assert_allclose(grad, jnp.cos(x[:2].sum(-1))[:, None] * jnp.ones_like(x[:2]),
+                               rtol=1e-5, atol=1e-5)
+    assert sums(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16  # another dtype: jnp.sum
