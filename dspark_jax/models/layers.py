@@ -41,6 +41,10 @@ def _param(rngs: nnx.Rngs | None, shape, dtype, names, init="normal") -> nnx.Par
 class RMSNorm(nnx.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 as in transformers.
 
+    The mean square is ``cpu_matmul.row_sum``'s: on a CPU with the kernel each row is summed
+    in one fixed order, so a token's norm has the same bits in a verify as in its decode step
+    and in any batch (XLA:CPU's reduction orders a row's sum by the number of rows).
+
     With ``offset`` 1.0 (Gemma) the scale is 1 + weight, applied in float32 before the cast back
     (transformers' Gemma3RMSNorm); the stored weight then starts at zeros.
     """
