@@ -216,11 +216,17 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float):
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, N, D] with cos/sin [B, T, D] -> rotated x (computed in float32, cast back)."""
+    """x [B, T, N, D] with cos/sin [B, T, D] -> rotated x (computed in float32, cast back).
+
+    x cos + rot(x) sin is summed by ``cpu_matmul.row_sum`` (on a CPU with the kernel: the two
+    rounded products added once): XLA:CPU contracts one of the products into the sum as a fused
+    multiply-add, which one depending on the fusion around it, so the same token's keys got
+    other bits in a verify laid out as a grid than in one scattered into it (BENCHMARKS.md)."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+    products = jnp.stack([xf * cos[:, :, None, :], rotated * sin[:, :, None, :]], axis=-1)
+    return cpu_matmul.row_sum(products).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -3,6 +3,8 @@ equal those of its decode step bit for bit, and a row's do not depend on the row
 it, with float32 and with bfloat16 weight matrices, so greedy speculative decoding cannot part
 from greedy autoregressive decoding, nor a prompt's output from the batch it is decoded in."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from flax import nnx
 
 from dspark_jax.models import cpu_attention, cpu_matmul
 from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.ragged import ragged_forward
 from dspark_jax.target import init_target
 
 pytestmark = pytest.mark.skipif(not (cpu_matmul.available() and cpu_attention.available()),
@@ -50,3 +53,35 @@ def test_verify_and_decode_steps_and_batches_give_a_token_the_same_bits(weight_d
         np.testing.assert_array_equal(step[0, 0], verify[0, t])
         steps, three = forward(three, jnp.asarray(new[:, t:t + 1]), PROMPT + t)
         np.testing.assert_array_equal(steps[:, 0], verify[:, t])
+
+
+@pytest.mark.parametrize("weight_dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_a_verify_scattered_into_the_grid_equals_the_grid(weight_dtype):
+    """The engine's verify runs its top bucket as the whole [S, Q] grid and smaller buckets as
+    flat tokens scattered into it (``ragged_forward(dense=)``): the same tokens get the same
+    bits both ways (the rotary embedding's sum was contracted differently by XLA:CPU)."""
+    target = init_target(LLAMA, seed=7)
+    state = target.inference_state("unstacked", weight_dtype)
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(4, 64, (1, PROMPT)))
+    tokens = jnp.asarray(rng.integers(4, 64, (8,)))
+    start = jnp.asarray([PROMPT], jnp.int32)
+
+    @jax.jit
+    def prefill(cache):
+        model = nnx.merge(target.graphdef, state)
+        return model(prompt, jnp.arange(PROMPT)[None], cache=cache).cache
+
+    cache = prefill(KVCache.for_model(target.config, 1, 32, jnp.float32))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def verify(cache, size, dense):
+        model = nnx.merge(target.graphdef, state)
+        cols = jnp.arange(size, dtype=jnp.int32)
+        out = ragged_forward(model, tokens[:size], PROMPT + cols, jnp.zeros_like(cols), cols,
+                             start, cache, width=8, dense=dense)
+        return model.logits(out.hidden)
+
+    grid = np.asarray(verify(cache, 8, True))
+    for size in (1, 2, 4, 8):
+        np.testing.assert_array_equal(np.asarray(verify(cache, size, False)), grid[:size])
