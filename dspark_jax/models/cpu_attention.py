@@ -48,10 +48,9 @@ def applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Arr
     would gather the cache to every device; the einsum is partitioned), and the kernel
     available."""
     d = q.shape[-1]
-    mesh = jax.sharding.get_abstract_mesh()
     return (transposed_keys and k_cache.ndim == 5 and d % 16 == 0 and d <= MAX_HEAD_DIM
             and all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache, k_new, v_new))
-            and (mesh.empty or mesh.size == 1) and available())
+            and cpu_kernels.unsharded() and available())
 
 
 def _kernel(q, k_cache, v_cache, layer, lengths, k_new, v_new, new_visible, *, scale: float):

@@ -53,6 +53,14 @@ def usable(switch: str, what: str) -> bool:
     return True
 
 
+def unsharded() -> bool:
+    """Whether the program being traced runs on one device: no mesh of several devices is set.
+    A custom call has no sharding rule, so under such a mesh XLA would gather its operands to
+    every device; the callers then take XLA's own (partitioned) ops instead."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
 def build(source: Path) -> Path:
     """The shared library of ``source``, compiled into the cache if not there yet (a temporary
     file renamed into place)."""

@@ -82,8 +82,7 @@ def row_sum(x: jax.Array) -> jax.Array:
     row's sum has the same bits whatever the other rows (XLA:CPU's reduction sums a row in
     another order when it has 8 rows than when it has one). ``jnp.sum`` otherwise, and on any
     other platform the program is lowered for. Differentiable."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not (x.dtype == jnp.float32 and x.ndim and x.size and (mesh.empty or mesh.size == 1)
+    if not (x.dtype == jnp.float32 and x.ndim and x.size and cpu_kernels.unsharded()
             and available()):
         return jnp.sum(x, axis=-1)
     return _product(x, jnp.ones((x.shape[-1], 1), x.dtype), False)[..., 0]
