@@ -1,18 +1,21 @@
 """Building and registering this package's C++ CPU kernels (XLA FFI custom calls).
 
-Each kernel is one C++ source beside this module (``cpu_matmul.cc``, ``cpu_attention.cc``) that
-includes ``cpu_parallel.h``. :func:`register` compiles a source with the host's C++ compiler
-(``$CXX``, else ``c++``; ``-O3 -mavx512f``) into :func:`storage.cache_dir` on first use (a few
-seconds, once per source, header and jaxlib version; atomically, so concurrent processes never
-load a partial library), loads it and registers its handlers with XLA for the CPU platform.
+Each kernel is one C++ source beside this module (``cpu_matmul.cc``, ``cpu_matmul_amx.cc``,
+``cpu_attention.cc``) that includes ``cpu_parallel.h``. :func:`register` compiles a source with
+the host's C++ compiler (``$CXX``, else ``c++``; ``-O3 -mavx512f`` and the source's own
+instruction-set flags) into :func:`storage.cache_dir` on first use (a few seconds, once per
+source, header, flags and jaxlib version; atomically, so concurrent processes never load a
+partial library), loads it and registers its handlers with XLA for the CPU platform.
 :func:`usable` says whether a kernel may run here at all: it is switched on (its environment
 variable is not "0"), JAX's default backend is the CPU (a TPU VM's host has AVX-512, but its
-programs run on the TPU) and the host has AVX-512.
+programs run on the TPU) and the host has AVX-512; :func:`has_cpu_flags` and
+:func:`allow_amx` check what a kernel needs beyond that.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -32,14 +35,34 @@ FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
 log = logging.getLogger(__name__)
 
 
-def _has_avx512() -> bool:
+def has_cpu_flags(*names: str) -> bool:
+    """Whether this host is x86-64 and its CPU lists every flag of ``names`` in /proc/cpuinfo
+    (e.g. "avx512f", "amx_bf16")."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx512f" in flags
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return all(name in flags for name in names)
+
+
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
+
+
+@functools.cache
+def allow_amx() -> bool:
+    """Asks Linux for this process's permission to use the AMX tile registers (``arch_prctl
+    (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, process-wide, once); whether it was given."""
+    if platform.system() != "Linux" or not has_cpu_flags("amx_tile"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+        log.info("the AMX tile data state was refused (errno %d)", ctypes.get_errno())
+        return False
+    return True
 
 
 def usable(switch: str, what: str) -> bool:
@@ -47,7 +70,7 @@ def usable(switch: str, what: str) -> bool:
     reason logged when not); ``what`` names the work that otherwise stays XLA's."""
     if os.environ.get(switch, "1") == "0" or jax.default_backend() != "cpu":
         return False
-    if not _has_avx512():
+    if not has_cpu_flags("avx512f"):
         log.info("no AVX-512 on this host; %s stay XLA's", what)
         return False
     return True
@@ -61,15 +84,16 @@ def unsharded() -> bool:
     return mesh.empty or mesh.size == 1
 
 
-def build(source: Path) -> Path:
-    """The shared library of ``source``, compiled into the cache if not there yet (a temporary
-    file renamed into place)."""
+def build(source: Path, flags: tuple[str, ...] = ()) -> Path:
+    """The shared library of ``source``, compiled (with :data:`FLAGS` and ``flags``) into the
+    cache if not there yet (a temporary file renamed into place)."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise RuntimeError("no C++ compiler ($CXX, c++ or g++)")
     include = jax.ffi.include_dir()
     text = b"".join(p.read_bytes() for p in (source, *HEADERS))
-    key = hashlib.sha256(text + " ".join(FLAGS).encode() + jax.__version__.encode()
+    flags = (*FLAGS, *flags)
+    key = hashlib.sha256(text + " ".join(flags).encode() + jax.__version__.encode()
                          + include.encode()).hexdigest()[:16]
     folder = storage.cache_dir() / "kernels"
     library = folder / f"{source.stem}-{key}.so"
@@ -78,7 +102,7 @@ def build(source: Path) -> Path:
         fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, f"-I{include}", f"-I{HERE}", str(source),
+            subprocess.run([compiler, *flags, f"-I{include}", f"-I{HERE}", str(source),
                             "-o", partial], check=True, capture_output=True, text=True)
             os.replace(partial, library)
         except subprocess.CalledProcessError as e:
@@ -91,12 +115,13 @@ def build(source: Path) -> Path:
     return library
 
 
-def register(source: Path, handlers: dict[str, str], what: str) -> bool:
-    """Builds and loads ``source`` and registers its handler symbols as FFI targets
-    (``handlers``: target name -> symbol) on the CPU; False, with the reason logged, where
-    that fails (``what`` names the work that then stays XLA's)."""
+def register(source: Path, handlers: dict[str, str], what: str,
+             flags: tuple[str, ...] = ()) -> bool:
+    """Builds (with ``flags`` beside :data:`FLAGS`) and loads ``source`` and registers its
+    handler symbols as FFI targets (``handlers``: target name -> symbol) on the CPU; False,
+    with the reason logged, where that fails (``what`` names the work that then stays XLA's)."""
     try:
-        library = ctypes.cdll.LoadLibrary(str(build(source)))
+        library = ctypes.cdll.LoadLibrary(str(build(source, flags)))
     except (OSError, RuntimeError) as e:
         log.warning("%s: the kernel is unavailable (%s); %s stay XLA's", source.name, e, what)
         return False

@@ -6,7 +6,8 @@
 // (what one row costs) would allow one (BENCHMARKS.md, issue 19). This kernel reads each
 // weight matrix once for all rows: the threads of XLA's intra-op pool take column ranges, and
 // each walks the matrix in blocks of kKBlock rows (kKBlock streams through memory), keeping a
-// tile of up to kRows x 64 results in AVX-512 registers per block. A matrix held transposed,
+// tile of up to kRows x 64 results in AVX-512 registers per block (8 rows: 8 x 48, one tile,
+// so a verify of 8 tokens reads each block once into registers). A matrix held transposed,
 // w[N, K] (a tied embedding table as an LM head), is read row by row instead: 16 lanes of
 // partial sums per result, added up at the end.
 //
@@ -30,8 +31,15 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kKBlock = 16;  // rows of w per block: that many sequential memory streams
-constexpr int kRows = 6;         // rows of x per register tile (6 x 4 accumulators + 4 w vectors)
-constexpr int kVectors = 4;      // 16-float vectors of columns per register tile (64 columns)
+constexpr int kRows = 8;     // rows of x per register tile
+constexpr int kVectors = 4;  // 16-float vectors of columns per register tile (64 columns) ...
+// ... for up to kWideRows rows; taller tiles take 3 (8 x 3 accumulators + 3 w vectors + one
+// broadcast fill 28 of the 32 registers). One 8 x 48 tile for 8 rows reads a block of w from
+// memory once, where a 6 x 64 tile and a 2 x 64 tile took ~10-20% longer (a C++ harness).
+constexpr int kWideRows = 6;
+
+// The 16-float vectors of columns per tile for M rows.
+constexpr int VectorsFor(int64_t M) { return std::min<int64_t>(M, kRows) > kWideRows ? 3 : kVectors; }
 
 // acc(m, j) over rows [k0, k1) of w, for MR rows of x and NV vectors of columns from w's
 // column 0 (w, y already offset). The last vector is masked by `tail` (N not a multiple of 16).
@@ -77,19 +85,22 @@ void Tile(const float* x, int64_t K, const float* w, int64_t N, float* y, int64_
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                         __mmask16);
 
+// Tiles by rows and vectors; rows above kWideRows have no 4-vector tile (it would spill).
 template <int MR>
-constexpr TileFn kTilesOf[kVectors] = {Tile<MR, 1>, Tile<MR, 2>, Tile<MR, 3>, Tile<MR, 4>};
+constexpr TileFn kTilesOf[kVectors] = {Tile<MR, 1>, Tile<MR, 2>, Tile<MR, 3>,
+                                       MR > kWideRows ? nullptr : Tile<MR, VectorsFor(MR)>};
 
-constexpr const TileFn* kTiles[kRows] = {kTilesOf<1>, kTilesOf<2>, kTilesOf<3>,
-                                         kTilesOf<4>, kTilesOf<5>, kTilesOf<6>};
+constexpr const TileFn* kTiles[kRows] = {kTilesOf<1>, kTilesOf<2>, kTilesOf<3>, kTilesOf<4>,
+                                         kTilesOf<5>, kTilesOf<6>, kTilesOf<7>, kTilesOf<8>};
 
 // Columns [c0, c1) of y = x @ w.
 void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
              int64_t c0, int64_t c1) {
+  const int64_t step = 16 * VectorsFor(M);
   for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
     const int64_t k1 = std::min(K, k0 + kKBlock);
-    for (int64_t n = c0; n < c1; n += 16 * kVectors) {
-      const int64_t width = std::min<int64_t>(c1 - n, 16 * kVectors);
+    for (int64_t n = c0; n < c1; n += step) {
+      const int64_t width = std::min<int64_t>(c1 - n, step);
       const int nv = static_cast<int>((width + 15) / 16);
       const int64_t rest = width - 16 * (nv - 1);
       const __mmask16 tail = static_cast<__mmask16>((1u << rest) - 1u);

@@ -14,12 +14,21 @@ once per source and jaxlib version) and registered with XLA. Elsewhere (other pl
 ``lax.platform_dependent``, no AVX-512, no compiler, ``DSPARK_JAX_CPU_MATMUL=0``) the product
 is ``jnp.einsum``. The layer scans' matmuls over per-layer arrays (``layer_weights``) and the
 LM heads (``Decoder.logits``) of a float32 model take this path.
+
+bfloat16 rows by bfloat16 weights with a float32 result (``layer_weights.with_dtype``'s
+weights) take ``cpu_matmul_amx.cc`` on CPUs with AMX (Sapphire Rapids and later, Linux): the
+tile unit multiplies up to 32 rows for the cost of reading the matrix once, where the AVX-512
+multiply-adds of a float32 product of 8 rows already bind a 2-core machine
+(:func:`amx_available`; off with ``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile
+unit's, in another order than XLA's bfloat16 dot: within bfloat16's tolerance, and a row's
+bits again do not depend on the other rows.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -29,7 +38,11 @@ from dspark_jax.models import cpu_kernels
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
-MAX_ROWS = 32  # the most rows (tokens times batch rows) multiplied by the kernel
+AMX_SOURCE = Path(__file__).with_name("cpu_matmul_amx.cc")
+AMX_TARGETS = {False: "dspark_small_matmul_amx", True: "dspark_small_matmul_amx_t"}
+AMX_FLAGS = ("-mavx512bw", "-mamx-tile", "-mamx-bf16")
+MAX_ROWS = 32  # the most rows (tokens times batch rows) multiplied by either kernel
+AMX_K, AMX_N = 32, 16  # the AMX kernel's contraction and output sizes are multiples of these
 
 
 @functools.cache
@@ -43,23 +56,49 @@ def available() -> bool:
                                               TARGETS[True]: "DsparkSmallMatmulT"}, what))
 
 
+@functools.cache
+def amx_available() -> bool:
+    """Whether :func:`matmul` runs the AMX kernel for bfloat16 operands here (built and
+    registered on the first call): ``cpu_kernels.usable``, ``DSPARK_JAX_CPU_AMX`` not "0", a
+    CPU with AMX-BF16, the process allowed the tile state (``cpu_kernels.allow_amx``) and the
+    kernel built."""
+    what = "bfloat16 matmuls"
+    return (os.environ.get("DSPARK_JAX_CPU_AMX", "1") != "0"
+            and cpu_kernels.usable("DSPARK_JAX_CPU_MATMUL", what)
+            and cpu_kernels.has_cpu_flags("avx512bw", "amx_tile", "amx_bf16")
+            and cpu_kernels.allow_amx()
+            and cpu_kernels.register(AMX_SOURCE, {AMX_TARGETS[False]: "DsparkSmallMatmulAmx",
+                                                  AMX_TARGETS[True]: "DsparkSmallMatmulAmxT"},
+                                     what, AMX_FLAGS))
+
+
 def _einsum(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
-    return jnp.einsum("...i,oi->...o" if transpose_w else "...i,io->...o", x, w)
+    return jnp.einsum("...i,oi->...o" if transpose_w else "...i,io->...o", x, w,
+                      preferred_element_type=jnp.float32)
 
 
 def _kernel(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0] if transpose_w else w.shape[1],),
                                jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[transpose_w], out, vmap_method="sequential")(x, w)
+    targets = TARGETS if x.dtype == jnp.float32 else AMX_TARGETS
+    return jax.ffi.ffi_call(targets[transpose_w], out, vmap_method="sequential")(x, w)
 
 
-def applies(x: jax.Array, w: jax.Array, preferred_element_type=None) -> bool:
-    """Whether :func:`matmul` of x [..., K] by w runs the kernel on CPU: both float32, at
-    most :data:`MAX_ROWS` rows, no other result dtype asked, the kernel available."""
+def applies(x: jax.Array, w: jax.Array, preferred_element_type=None,
+            transpose_w: bool = False) -> bool:
+    """Whether :func:`matmul` of x [..., K] by w (``transpose_w``: w [N, K]) runs a kernel on
+    CPU: at most :data:`MAX_ROWS` rows, and either both float32 with no other result dtype
+    asked (:func:`available`), or both bfloat16 with a float32 result asked, K a multiple of
+    :data:`AMX_K` and N of :data:`AMX_N` (:func:`amx_available`)."""
     rows = math.prod(x.shape[:-1])
-    return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
-            and preferred_element_type in (None, jnp.float32) and 0 < rows <= MAX_ROWS
-            and available())
+    if w.ndim != 2 or not 0 < rows <= MAX_ROWS:
+        return False
+    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
+        return preferred_element_type in (None, jnp.float32) and available()
+    n = w.shape[0] if transpose_w else w.shape[1]
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+            and preferred_element_type == jnp.float32 and x.shape[-1] % AMX_K == 0
+            and n % AMX_N == 0 and amx_available())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -89,9 +128,10 @@ def row_sum(x: jax.Array) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] (``transpose_w``: w [N, K], e.g. an embedding table as
-    the LM head), float32: the kernel on CPU where :func:`applies`, ``jnp.einsum`` otherwise
-    (and on any other platform the program is lowered for). Differentiable (by einsums)."""
-    if not applies(x, w):
+    """x [..., K] @ w [K, N] -> float32 [..., N] (``transpose_w``: w [N, K], e.g. an embedding
+    table as the LM head), x and w both float32 or both bfloat16: a kernel on CPU where
+    :func:`applies`, ``jnp.einsum`` with a float32 result otherwise (and on any other platform
+    the program is lowered for). Differentiable (by einsums)."""
+    if not applies(x, w, jnp.float32, transpose_w):
         return _einsum(x, w, transpose_w)
     return _product(x, w, transpose_w)

@@ -263,10 +263,11 @@ class Decoder(nnx.Module):
         another dtype than ``hidden`` (bfloat16 weights, ``layer_weights.with_dtype``)
         multiplies ``hidden`` rounded to its dtype, on at least ``layers.MIN_ROWS`` rows, and is
         read as it is held (:meth:`lm_head_stored`). A few float32 rows on CPU multiply the
-        head as it is held through ``cpu_matmul``."""
+        head as it is held through ``cpu_matmul`` (float32, or bfloat16 on AMX)."""
         head, axes = (head_rows, "vd") if head_rows is not None else self.lm_head_stored()
-        if cpu_matmul.applies(hidden, head):  # a few float32 rows on CPU: read the head once
-            logits = cpu_matmul.matmul(hidden, head, transpose_w=axes == "vd")
+        rows = hidden.astype(head.dtype)
+        if cpu_matmul.applies(rows, head, jnp.float32, transpose_w=axes == "vd"):
+            logits = cpu_matmul.matmul(rows, head, transpose_w=axes == "vd")  # read it once
         else:
             if head_rows is None and head.dtype == jnp.float32:
                 head, axes = self.lm_head_matrix(), "dv"  # XLA's float32 dot: the transpose
@@ -275,8 +276,7 @@ class Decoder(nnx.Module):
             def product(h):
                 return jnp.einsum(subscripts, h, head, preferred_element_type=jnp.float32)
 
-            logits = (product(hidden) if head.dtype == hidden.dtype
-                      else with_min_rows(product, hidden.astype(head.dtype)))
+            logits = product(hidden) if head.dtype == hidden.dtype else with_min_rows(product, rows)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

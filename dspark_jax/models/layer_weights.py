@@ -98,7 +98,7 @@ class LayerKernel:
 def _einsum_with(spec: str, j: int, preferred_element_type, x: jax.Array,
                  layers: tuple) -> jax.Array:
     if spec == "...i,io->...o" and cpu_matmul.applies(x, layers[j], preferred_element_type):
-        return cpu_matmul.matmul(x, layers[j])  # a few float32 rows: read the matrix once
+        return cpu_matmul.matmul(x, layers[j])  # a few rows: read the matrix once
     return jnp.einsum(spec, x, layers[j], preferred_element_type=preferred_element_type)
 
 

@@ -2,6 +2,7 @@
 rounding, gives each row the same bits whatever the other rows, stays out of programs it does
 not apply to, and differentiates."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from dspark_jax.models import cpu_kernels, cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no cpu_matmul kernel here")
 
-# (leading dims of x, K, N): register tiles of 6 rows / 64 columns (4 for the transposed form)
+# (leading dims of x, K, N): register tiles of 8 rows / 48 columns or fewer rows / 64 columns
+# (4 for the transposed form)
 # with remainders, K and N off the 16-float vectors, one contraction element, a SmolLM2 matrix.
 SHAPES = [((1,), 576, 1536), ((8,), 576, 1536), ((16,), 33, 200), ((2, 3), 100, 37),
           ((7,), 1, 5), ((5,), 17, 3), ((3, 1), 1536, 576)]
@@ -46,7 +48,7 @@ def test_the_product_is_x_times_w_and_each_rows_bits_do_not_depend_on_the_others
 
 def _custom_calls(f, *args, **lower) -> int:
     text = jax.jit(f).trace(*args).lower(**lower).as_text()
-    return sum(text.count(t) for t in cpu_matmul.TARGETS.values())
+    return sum(text.count(f"@{t}(") for t in cpu_matmul.TARGETS.values())  # the float32 ones
 
 
 def test_the_kernel_runs_only_where_it_applies():
@@ -98,3 +100,56 @@ def test_row_sums_do_not_depend_on_the_other_rows():
     np.testing.assert_allclose(grad, jnp.cos(x[:2].sum(-1))[:, None] * jnp.ones_like(x[:2]),
                                rtol=1e-5, atol=1e-5)
     assert sums(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16  # another dtype: jnp.sum
+
+
+amx = pytest.mark.skipif(not cpu_matmul.amx_available(), reason="no AMX-BF16 here")
+
+# (leading dims of x, K, N): one and two row groups (17, 32 rows), a last strip of 16
+# columns, a single tile step (K = 32), SmolLM2 matrices.
+AMX_SHAPES = [((1,), 576, 1536), ((8,), 1536, 576), ((17,), 64, 48), ((2, 16), 96, 80),
+              ((3,), 32, 16)]
+
+
+@amx
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w[K,N]", "w[N,K]"])
+@pytest.mark.parametrize("lead,k,n", AMX_SHAPES)
+def test_the_amx_product_of_bfloat16_rows_and_each_rows_bits_do_not_depend_on_the_others(
+        lead, k, n, transpose_w):
+    x, w = (jnp.asarray(a, jnp.bfloat16) for a in _operands(lead, k, n, transpose_w))
+    assert cpu_matmul.applies(x, w, jnp.float32, transpose_w)
+    product = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w))
+    y = np.asarray(product(x, w))
+    xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = xf @ (wf.T if transpose_w else wf)  # the bfloat16 values' products are exact
+    assert y.shape == lead + (n,) and y.dtype == np.float32
+    np.testing.assert_allclose(y, want, rtol=0, atol=4e-6 * np.sqrt(k) * 8)
+    rows = x.reshape(-1, k)
+    alone = np.concatenate([np.asarray(product(rows[i:i + 1], w)) for i in range(len(rows))])
+    np.testing.assert_array_equal(alone, y.reshape(-1, n))
+
+
+@amx
+def test_the_amx_kernel_runs_only_where_it_applies():
+    def calls(x, w, **lower):
+        text = jax.jit(cpu_matmul.matmul).trace(x, w).lower(**lower).as_text()
+        return text.count(f"@{cpu_matmul.AMX_TARGETS[False]}(")
+
+    bf16 = functools.partial(jnp.ones, dtype=jnp.bfloat16)
+    assert calls(bf16((cpu_matmul.MAX_ROWS, 64)), bf16((64, 32))) == 1
+    assert calls(bf16((cpu_matmul.MAX_ROWS + 1, 64)), bf16((64, 32))) == 0  # XLA's dot
+    assert calls(bf16((2, 48)), bf16((48, 32))) == 0  # K not a multiple of 32
+    assert calls(bf16((2, 64)), bf16((64, 40))) == 0  # N not a multiple of 16
+    assert calls(bf16((2, 64)), bf16((64, 32)), lowering_platforms=("cuda",)) == 0
+    assert not cpu_matmul.applies(bf16((2, 64)), bf16((64, 32)))  # a bfloat16 result asked
+    assert cpu_matmul.matmul(bf16((2, 48)), bf16((48, 32))).dtype == jnp.float32
+    x, w = (jnp.asarray(a, jnp.bfloat16) for a in _operands((3,), 64, 32, False, seed=2))
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(cpu_matmul.matmul(x, w))))(x)
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(jnp.einsum(
+        "mk,kn->mn", x, w, preferred_element_type=jnp.float32))))(x)
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    env = dict(os.environ, DSPARK_JAX_CPU_AMX="0")
+    off = subprocess.run([sys.executable, "-c", "from dspark_jax.models import cpu_matmul; "
+                          "print(cpu_matmul.amx_available(), cpu_matmul.available())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert off.stdout.split() == ["False", "True"]
