@@ -8,12 +8,13 @@
 // kernel takes the whole stacked cache and the layer's index, so it reads the layer where it
 // lies, and reads only each row's committed slots (lengths[b]).
 //
-// One work item is new token t of row b for up to four query heads of one kv head (they read
-// its keys and values once), taken by whoever of XLA's intra-op threads is free
-// (cpu_parallel.h). A query's keys, in position order, are the committed slots s < lengths[b]
-// of its kv head, then the new tokens t' its row's mask shows it. Their scores go to a scratch
-// row, then one softmax (max, exp, sum in 16 fixed lanes) and one weighted sum of the values
-// (a fused multiply-add chain over the keys in order). A score is one fused multiply-add chain
+// One work item is a block of new tokens of row b in every query head of one kv head (a
+// verify's queries read its keys and values together, up to 12 queries per pass), taken by
+// whoever of XLA's intra-op threads is free (cpu_parallel.h). A query's keys, in position
+// order, are the committed slots s < lengths[b] of its kv head, then the new tokens t' its
+// row's mask shows it. Their scores go to a scratch row, then one softmax (max, exp, sum in
+// 16 fixed lanes) and one weighted sum of the values (a fused multiply-add chain over the keys
+// in order). A score is one fused multiply-add chain
 // over the head dim, by the same code whether its key is a committed slot or a new token (laid
 // out as the cache holds keys): the result for a query depends only on the keys it sees, so a
 // token's attention in a verify has the bits of the same token's attention in a decode step,
@@ -64,38 +65,39 @@ struct Shapes {
   int64_t B, T, H, K, D, N;
 };
 
-constexpr int kMaxHeads = 4;  // query heads of one kv head attended together (sharing its keys)
+constexpr int kMaxQueries = 12;  // queries scored together in one pass over the keys
 
 // scores[q][s] = scale * queries[q] . keys[:, s] for QB queries and s in [0, len): keys [D, N]
 // (a kv head's transposed cache), each lane one fused multiply-add chain over d = 0 .. D-1.
-template <int QB>
+// SV 16-slot vectors of keys per step of d: QB x SV accumulators within 24 registers.
+template <int QB, int SV>
 void CacheScores(const float* const* queries, const float* keys, int64_t D, int64_t N,
                  int64_t len, float scale, float* const* scores) {
-  for (int64_t s0 = 0; s0 < len; s0 += 16 * kSlotVectors) {
-    __mmask16 mask[kSlotVectors];
-    __m512 acc[QB][kSlotVectors];
+  for (int64_t s0 = 0; s0 < len; s0 += 16 * SV) {
+    __mmask16 mask[SV];
+    __m512 acc[QB][SV];
 #pragma GCC unroll 4
-    for (int j = 0; j < kSlotVectors; ++j) {
+    for (int j = 0; j < SV; ++j) {
       mask[j] = Mask(std::max<int64_t>(0, len - s0 - 16 * j));
-#pragma GCC unroll 4
+#pragma GCC unroll 12
       for (int q = 0; q < QB; ++q) acc[q][j] = _mm512_setzero_ps();
     }
     for (int64_t d = 0; d < D; ++d) {
       const float* row = keys + d * N + s0;
-      __m512 k[kSlotVectors];
+      __m512 k[SV];
 #pragma GCC unroll 4
-      for (int j = 0; j < kSlotVectors; ++j) k[j] = _mm512_maskz_loadu_ps(mask[j], row + 16 * j);
-#pragma GCC unroll 4
+      for (int j = 0; j < SV; ++j) k[j] = _mm512_maskz_loadu_ps(mask[j], row + 16 * j);
+#pragma GCC unroll 12
       for (int q = 0; q < QB; ++q) {
         const __m512 qd = _mm512_set1_ps(queries[q][d]);
 #pragma GCC unroll 4
-        for (int j = 0; j < kSlotVectors; ++j) acc[q][j] = _mm512_fmadd_ps(qd, k[j], acc[q][j]);
+        for (int j = 0; j < SV; ++j) acc[q][j] = _mm512_fmadd_ps(qd, k[j], acc[q][j]);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 12
     for (int q = 0; q < QB; ++q) {
 #pragma GCC unroll 4
-      for (int j = 0; j < kSlotVectors; ++j) {
+      for (int j = 0; j < SV; ++j) {
         _mm512_mask_storeu_ps(scores[q] + s0 + 16 * j, mask[j],
                               _mm512_mul_ps(acc[q][j], _mm512_set1_ps(scale)));
       }
@@ -121,31 +123,50 @@ float Softmax(float* s, int64_t n) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// out[q][0 .. 16 DV) = sum_i weights[q][i] value_i / denom[q] for QB queries over the same n
-// keys in order: the first `len` from the cache (values [N, D], slot-major), the rest new
-// tokens (new_values[i - len]).
+// out[q][0 .. 16 DV) = sum_i weight_i value_i / denom[q] for QB queries over the keys in order:
+// the cache's first `len` slots (weights[q][i], values [N, D], slot-major: read once for all QB
+// queries), then the new tokens u = 0 .. T-1 a query sees (new_weights[q][u], masked off where
+// new_visible[q][u] is 0), each value one fused multiply-add chain over its keys.
 template <int QB, int DV>
-void Weighted(const float* const* weights, int64_t n, int64_t len, const float* cache_values,
-              const float* const* new_values, const float* denom, float* const* out) {
+void Weighted(const float* const* weights, int64_t len, const float* cache_values,
+              int64_t T, const float* const* new_values, const float* const* new_weights,
+              const uint8_t* const* new_visible, const float* denom, float* const* out) {
   __m512 acc[QB][DV];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int q = 0; q < QB; ++q) {
 #pragma GCC unroll 16
     for (int j = 0; j < DV; ++j) acc[q][j] = _mm512_setzero_ps();
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* v = i < len ? cache_values + i * 16 * DV : new_values[i - len];
+  for (int64_t i = 0; i < len; ++i) {
+    const float* v = cache_values + i * 16 * DV;
     __m512 w[QB];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int q = 0; q < QB; ++q) w[q] = _mm512_set1_ps(weights[q][i]);
 #pragma GCC unroll 16
     for (int j = 0; j < DV; ++j) {
       const __m512 value = _mm512_loadu_ps(v + 16 * j);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int q = 0; q < QB; ++q) acc[q][j] = _mm512_fmadd_ps(w[q], value, acc[q][j]);
     }
   }
-#pragma GCC unroll 4
+  for (int64_t u = 0; u < T; ++u) {
+    __m512 w[QB];
+    __mmask16 seen[QB];
+#pragma GCC unroll 6
+    for (int q = 0; q < QB; ++q) {
+      w[q] = _mm512_set1_ps(new_weights[q][u]);
+      seen[q] = new_visible[q][u] ? __mmask16(0xFFFF) : __mmask16(0);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < DV; ++j) {
+      const __m512 value = _mm512_loadu_ps(new_values[u] + 16 * j);
+#pragma GCC unroll 6
+      for (int q = 0; q < QB; ++q) {
+        acc[q][j] = _mm512_mask3_fmadd_ps(w[q], value, acc[q][j], seen[q]);
+      }
+    }
+  }
+#pragma GCC unroll 6
   for (int q = 0; q < QB; ++q) {
     const __m512 div = _mm512_set1_ps(denom[q]);
 #pragma GCC unroll 16
@@ -155,11 +176,17 @@ void Weighted(const float* const* weights, int64_t n, int64_t len, const float* 
 
 using ScoresFn = void (*)(const float* const*, const float*, int64_t, int64_t, int64_t, float,
                           float* const*);
-using WeightedFn = void (*)(const float* const*, int64_t, int64_t, const float*,
-                            const float* const*, const float*, float* const*);
+using WeightedFn = void (*)(const float* const*, int64_t, const float*, int64_t,
+                            const float* const*, const float* const*, const uint8_t* const*,
+                            const float*, float* const*);
 
-constexpr ScoresFn kScores[kMaxHeads] = {CacheScores<1>, CacheScores<2>, CacheScores<3>,
-                                         CacheScores<4>};
+// Up to 6 queries: 4 slot vectors per step (24 accumulators); 7 to 12: 2.
+constexpr ScoresFn kScores[kMaxQueries] = {
+    CacheScores<1, 4>, CacheScores<2, 4>, CacheScores<3, 4>,  CacheScores<4, 4>,
+    CacheScores<5, 4>, CacheScores<6, 4>, CacheScores<7, 2>,  CacheScores<8, 2>,
+    CacheScores<9, 2>, CacheScores<10, 2>, CacheScores<11, 2>, CacheScores<12, 2>};
+
+constexpr int kMaxValueQueries = 6;  // queries of one values' pass
 
 template <int QB>
 constexpr WeightedFn kWeightedOf[kMaxHeadVectors] = {
@@ -168,73 +195,103 @@ constexpr WeightedFn kWeightedOf[kMaxHeadVectors] = {
     Weighted<QB, 9>,  Weighted<QB, 10>, Weighted<QB, 11>, Weighted<QB, 12>,
     Weighted<QB, 13>, Weighted<QB, 14>, Weighted<QB, 15>, Weighted<QB, 16>};
 
-constexpr const WeightedFn* kWeighted[kMaxHeads] = {kWeightedOf<1>, kWeightedOf<2>,
-                                                    kWeightedOf<3>, kWeightedOf<4>};
+constexpr const WeightedFn* kWeighted[kMaxValueQueries] = {
+    kWeightedOf<1>, kWeightedOf<2>, kWeightedOf<3>, kWeightedOf<4>, kWeightedOf<5>,
+    kWeightedOf<6>};
 
 // Queries of the values' pass held at once: their accumulators (16 DV floats each) within
 // 24 of the 32 vector registers.
-int ValueHeads(int64_t D) {
-  return static_cast<int>(std::clamp<int64_t>(24 / (D / 16), 1, kMaxHeads));
+int ValueQueries(int64_t D) {
+  return static_cast<int>(std::clamp<int64_t>(24 / (D / 16), 1, kMaxValueQueries));
 }
 
-// Per thread: the scores of a block's queries over their keys, and the new keys' values.
+// Per thread: the scores of an item's queries over their keys, and the new keys and values.
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> new_keys;  // the kv head's new keys, [D, T] as the cache holds keys
   std::vector<float> new_scores;
+  std::vector<float> new_weights;
+  std::vector<uint8_t> new_visible;
   std::vector<const float*> new_values;
+  std::vector<const float*> queries;
+  std::vector<float*> score_rows, new_score_rows, new_weight_rows, out_rows;
+  std::vector<const uint8_t*> visible_rows;
+  std::vector<float> denom;
 };
 
-// The queries of query heads [h0, h0 + qb) of row b's new token t, all of kv head kv.
-void Queries(const Shapes& sh, int64_t b, int64_t kv, int64_t h0, int qb, int64_t t,
-             const float* q, const float* keys, const float* values, const int32_t* lengths,
-             const float* k_new, const float* v_new, const bool* visible, float scale,
-             float* out, Scratch& scratch) {
-  const int64_t D = sh.D, T = sh.T, K = sh.K, H = sh.H;
+// The queries of row b's new tokens [t0, t1) in every query head of kv head kv, in passes
+// over its keys and values that serve up to kMaxQueries (values: ValueQueries) at once.
+void Item(const Shapes& sh, int64_t b, int64_t kv, int64_t t0, int64_t t1, const float* q,
+          const float* keys, const float* values, const int32_t* lengths, const float* k_new,
+          const float* v_new, const bool* visible, float scale, float* out, Scratch& scratch) {
+  const int64_t D = sh.D, T = sh.T, K = sh.K, H = sh.H, groups = H / K;
   const int64_t len = std::clamp<int64_t>(lengths[b], 0, sh.N);
   const int64_t width = len + T;  // a query's keys at most
-  scratch.scores.resize(qb * width);
+  const int64_t nq = (t1 - t0) * groups;
+  scratch.scores.resize(nq * width);
   scratch.new_keys.resize(D * T);
-  scratch.new_scores.resize(qb * T);
+  scratch.new_scores.resize(nq * T);
+  scratch.new_weights.resize(nq * T);
+  scratch.new_visible.resize(nq * T);
   scratch.new_values.resize(T);
-  const float* query[kMaxHeads];
-  float* scores[kMaxHeads];
-  float* new_scores[kMaxHeads];
-  float* o[kMaxHeads];
-  for (int i = 0; i < qb; ++i) {
-    query[i] = q + ((b * T + t) * H + h0 + i) * D;
-    scores[i] = scratch.scores.data() + i * width;
-    new_scores[i] = scratch.new_scores.data() + i * T;
-    o[i] = out + ((b * T + t) * H + h0 + i) * D;
+  scratch.queries.resize(nq);
+  scratch.score_rows.resize(nq);
+  scratch.new_score_rows.resize(nq);
+  scratch.new_weight_rows.resize(nq);
+  scratch.out_rows.resize(nq);
+  scratch.visible_rows.resize(nq);
+  scratch.denom.resize(nq);
+  for (int64_t i = 0; i < nq; ++i) {  // query i: token t0 + i / groups, head i % groups
+    const int64_t t = t0 + i / groups, h = kv * groups + i % groups;
+    scratch.queries[i] = q + ((b * T + t) * H + h) * D;
+    scratch.score_rows[i] = scratch.scores.data() + i * width;
+    scratch.new_score_rows[i] = scratch.new_scores.data() + i * T;
+    scratch.new_weight_rows[i] = scratch.new_weights.data() + i * T;
+    scratch.visible_rows[i] = scratch.new_visible.data() + i * T;
+    scratch.out_rows[i] = out + ((b * T + t) * H + h) * D;
   }
-  kScores[qb - 1](query, keys + (b * K + kv) * D * sh.N, D, sh.N, len, scale, scores);
+  const float* cache_keys = keys + (b * K + kv) * D * sh.N;
+  for (int64_t i = 0; i < nq; i += kMaxQueries) {
+    const int qb = static_cast<int>(std::min<int64_t>(kMaxQueries, nq - i));
+    kScores[qb - 1](scratch.queries.data() + i, cache_keys, D, sh.N, len, scale,
+                    scratch.score_rows.data() + i);
+  }
   // The new tokens' keys laid out as the cache's, scored by the same chains: a key's score has
   // the same bits whether it is a new token's or, in a later step, a committed slot's.
   float* laid = scratch.new_keys.data();
   for (int64_t u = 0; u < T; ++u) {
     const float* key = k_new + ((b * T + u) * K + kv) * D;
     for (int64_t d = 0; d < D; ++d) laid[d * T + u] = key[d];
+    scratch.new_values[u] = v_new + ((b * T + u) * K + kv) * D;
   }
-  kScores[qb - 1](query, laid, D, T, T, scale, new_scores);
-  int64_t n = len;
-  for (int64_t u = 0; u < T; ++u) {
-    if (!visible[(b * T + t) * T + u]) continue;
-    for (int i = 0; i < qb; ++i) scores[i][n] = new_scores[i][u];
-    scratch.new_values[n - len] = v_new + ((b * T + u) * K + kv) * D;
-    ++n;
+  for (int64_t i = 0; i < nq; i += kMaxQueries) {
+    const int qb = static_cast<int>(std::min<int64_t>(kMaxQueries, nq - i));
+    kScores[qb - 1](scratch.queries.data() + i, laid, D, T, T, scale,
+                    scratch.new_score_rows.data() + i);
   }
-  if (n == 0) {  // nothing visible: zeros, as the einsum's safe softmax gives
-    for (int i = 0; i < qb; ++i) std::fill(o[i], o[i] + D, 0.0f);
-    return;
+  // Each query's keys in order (its cache slots, then the new tokens it sees) and their
+  // softmax; the new tokens' weights go back to their token's place for the values' pass.
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t t = t0 + i / groups;
+    float* row = scratch.score_rows[i];
+    uint8_t* seen = scratch.new_visible.data() + i * T;
+    int64_t n = len;
+    for (int64_t u = 0; u < T; ++u) {
+      seen[u] = visible[(b * T + t) * T + u];
+      if (seen[u]) row[n++] = scratch.new_score_rows[i][u];
+    }
+    scratch.denom[i] = n > 0 ? Softmax(row, n) : 1.0f;  // nothing seen: zeros, as the einsum
+    float* new_weight = scratch.new_weight_rows[i];
+    for (int64_t u = 0, m = len; u < T; ++u) new_weight[u] = seen[u] ? row[m++] : 0.0f;
   }
-  float denom[kMaxHeads];
-  for (int i = 0; i < qb; ++i) denom[i] = Softmax(scores[i], n);
   const float* cache_values = values + (b * K + kv) * sh.N * D;
-  const int step = ValueHeads(D);
-  for (int i = 0; i < qb; i += step) {
-    const int m = std::min(step, qb - i);
-    kWeighted[m - 1][D / 16 - 1](scores + i, n, len, cache_values, scratch.new_values.data(),
-                                 denom + i, o + i);
+  const int step = ValueQueries(D);
+  for (int64_t i = 0; i < nq; i += step) {
+    const int m = static_cast<int>(std::min<int64_t>(step, nq - i));
+    kWeighted[m - 1][D / 16 - 1](scratch.score_rows.data() + i, len, cache_values, T,
+                                 scratch.new_values.data(), scratch.new_weight_rows.data() + i,
+                                 scratch.visible_rows.data() + i, scratch.denom.data() + i,
+                                 scratch.out_rows.data() + i);
   }
 }
 
@@ -275,16 +332,17 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* vn = v_new.typed_data();
   const bool* vis = new_visible.typed_data();
   float* op = out->typed_data();
-  // One item: row b, kv head kv, new token t, and a block of up to kMaxHeads of its query heads.
+  // One item: row b, kv head kv, a block of its new tokens (all its query heads), sized so that
+  // a verify's queries share passes over the keys (up to kMaxQueries at once) while a step of
+  // one row still spreads over the threads.
   const int64_t groups = sh.H / sh.K;
-  const int64_t blocks = (groups + kMaxHeads - 1) / kMaxHeads;
-  dspark::ParallelFor(pool, sh.B * sh.K * blocks * sh.T, 0, [=](int64_t i) {
+  const int64_t tokens = std::clamp<int64_t>(kMaxQueries / groups, 1, std::max<int64_t>(sh.T, 1));
+  const int64_t blocks = (sh.T + tokens - 1) / tokens;
+  dspark::ParallelFor(pool, sh.B * sh.K * blocks, 0, [=](int64_t i) {
     thread_local Scratch scratch;
-    const int64_t t = i % sh.T, block = (i / sh.T) % blocks, kv = (i / (sh.T * blocks)) % sh.K;
-    const int64_t b = i / (sh.T * blocks * sh.K);
-    const int64_t h0 = kv * groups + block * kMaxHeads;
-    const int qb = static_cast<int>(std::min<int64_t>(kMaxHeads, groups - block * kMaxHeads));
-    Queries(sh, b, kv, h0, qb, t, qp, keys, values, lp, kn, vn, vis, scale, op, scratch);
+    const int64_t block = i % blocks, kv = (i / blocks) % sh.K, b = i / (blocks * sh.K);
+    const int64_t t0 = block * tokens, t1 = std::min(sh.T, t0 + tokens);
+    Item(sh, b, kv, t0, t1, qp, keys, values, lp, kn, vn, vis, scale, op, scratch);
   });
   return ffi::Error::Success();
 }
