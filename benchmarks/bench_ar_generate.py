@@ -25,7 +25,8 @@ decodes them. Modes: ``greedy``, and ``sampled`` at the reference's data-regener
 (temperature 0.7, top-p 0.8, top-k 20; transformers' ``do_sample`` with the same warpers).
 
 The memory roofline of batch-1 decoding is measured in the same run: the parameter bytes read
-per step over this machine's read bandwidth (a jitted sum over 1 GiB of float32).
+per step over this machine's read bandwidth (a jitted sum over 1 GiB of float32); with
+bfloat16 weights the matrices' bytes are halved (``rooflines_tokens_per_s`` per dtype).
 
 The two engines alternate run by run in one process (medians reported), and the load average
 before and after is recorded: a figure from a loaded machine is not a result.
@@ -111,10 +112,16 @@ def main():
 
     load_before = os.getloadavg()
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.state))
+    # bfloat16 weights: the matrices (every leaf of 2 or more dims) at half the bytes
+    dtype_bytes = {"float32": weight_bytes, "bfloat16": sum(
+        x.nbytes // 2 if x.ndim >= 2 else x.nbytes for x in jax.tree.leaves(target.state))}
     bandwidth = read_bandwidth()
+    rooflines = {dtype: bandwidth / dtype_bytes[dtype] for dtype in args.weight_dtypes}
     roofline = bandwidth / weight_bytes
     print(f"parameters {weight_bytes / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: "
-          f"batch-1 memory roofline {roofline:.1f} tokens/s")
+          f"batch-1 memory roofline {roofline:.1f} tokens/s"
+          + (f" ({rooflines['bfloat16']:.1f} in bfloat16 weights)" if "bfloat16" in rooflines
+             else ""))
     rows = []
     for batch in args.batches:
         ids = encoded[:batch]
@@ -163,7 +170,7 @@ def main():
                 row["ratio"] = row["dspark_tokens_per_s"] / row["hf_tokens_per_s"]
                 row["ratio_same_dtype"] = row["dspark_tokens_per_s"] / row["hf_same_dtype_tokens_per_s"]
                 if batch == 1 and mode == "greedy":
-                    row["fraction_of_roofline"] = row["dspark_tokens_per_s"] / roofline
+                    row["fraction_of_roofline"] = row["dspark_tokens_per_s"] / rooflines[dtype]
                 rows.append(row)
                 print(f"batch {batch} {mode} ({row['layer_weights']}, {dtype} weights): dspark-jax "
                       f"{row['dspark_tokens_per_s']:.1f} tok/s, transformers float32 "
@@ -175,7 +182,7 @@ def main():
     report = dict(benchmark="ar_generate", model=args.model, max_new_tokens=args.max_new_tokens,
                   repeats=args.repeats, prompt_set=args.prompt_set, sampling=SAMPLING,
                   parameter_bytes=weight_bytes, read_bandwidth_gb_s=bandwidth / 1e9,
-                  roofline_tokens_per_s=roofline, machine=f"{platform.machine()} {platform.processor()}".strip(),
+                  roofline_tokens_per_s=roofline, rooflines_tokens_per_s=rooflines, machine=f"{platform.machine()} {platform.processor()}".strip(),
                   cpus=os.cpu_count(), load_average=dict(before=load_before, after=os.getloadavg()),
                   torch=torch.__version__,
                   jax=__import__("jax").__version__, date=time.strftime("%Y-%m-%d"), rows=rows)

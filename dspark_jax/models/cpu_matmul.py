@@ -38,6 +38,8 @@ from dspark_jax.models import cpu_kernels
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
+LAYER_TARGETS = {jnp.dtype(jnp.float32): "dspark_layer_matmul",  # by dtype: layers[index]
+                 jnp.dtype(jnp.bfloat16): "dspark_layer_matmul_amx"}
 AMX_SOURCE = Path(__file__).with_name("cpu_matmul_amx.cc")
 AMX_TARGETS = {False: "dspark_small_matmul_amx", True: "dspark_small_matmul_amx_t"}
 AMX_FLAGS = ("-mavx512bw", "-mamx-tile", "-mamx-bf16")
@@ -53,7 +55,9 @@ def available() -> bool:
     what = "float32 matmuls"
     return (cpu_kernels.usable("DSPARK_JAX_CPU_MATMUL", what)
             and cpu_kernels.register(SOURCE, {TARGETS[False]: "DsparkSmallMatmul",
-                                              TARGETS[True]: "DsparkSmallMatmulT"}, what))
+                                              TARGETS[True]: "DsparkSmallMatmulT",
+                                              LAYER_TARGETS[jnp.dtype(jnp.float32)]:
+                                                  "DsparkLayerMatmul"}, what))
 
 
 @functools.cache
@@ -68,7 +72,9 @@ def amx_available() -> bool:
             and cpu_kernels.has_cpu_flags("avx512bw", "amx_tile", "amx_bf16")
             and cpu_kernels.allow_amx()
             and cpu_kernels.register(AMX_SOURCE, {AMX_TARGETS[False]: "DsparkSmallMatmulAmx",
-                                                  AMX_TARGETS[True]: "DsparkSmallMatmulAmxT"},
+                                                  AMX_TARGETS[True]: "DsparkSmallMatmulAmxT",
+                                                  LAYER_TARGETS[jnp.dtype(jnp.bfloat16)]:
+                                                      "DsparkLayerMatmulAmx"},
                                      what, AMX_FLAGS))
 
 
@@ -135,3 +141,23 @@ def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
     if not applies(x, w, jnp.float32, transpose_w):
         return _einsum(x, w, transpose_w)
     return _product(x, w, transpose_w)
+
+
+def layer_matmul(x: jax.Array, layers: tuple[jax.Array, ...], index: jax.Array) -> jax.Array:
+    """x [..., K] @ layers[index] [K, N] -> float32 [..., N] inside a scan over layers, where
+    :func:`applies` to x and the layers (one shape and dtype): one custom call that takes every
+    layer's array and the traced ``index`` and reads the chosen matrix in place, without the
+    conditional over the layers (``lax.switch``) that XLA:CPU would run around each matmul.
+    Other platforms lower a switch over einsums. Not differentiable (the engine's per-layer
+    arrays, ``layer_weights.Unstacked``, are an inference layout)."""
+    def kernel(x, index, *layers):
+        out = jax.ShapeDtypeStruct(x.shape[:-1] + layers[0].shape[1:], jnp.float32)
+        return jax.ffi.ffi_call(LAYER_TARGETS[x.dtype], out, vmap_method="sequential")(
+            x, index, *layers)
+
+    def switch(x, index, *layers):
+        return jax.lax.switch(index, [functools.partial(_einsum, w=w, transpose_w=False)
+                                      for w in layers], x)
+
+    return jax.lax.platform_dependent(x, jnp.asarray(index, jnp.int32), *layers, cpu=kernel,
+                                      default=switch)

@@ -9,7 +9,7 @@
 // at the same speed (BENCHMARKS.md, issue 19).
 //
 // w[K, N] (the layer matrices): the threads of XLA's intra-op pool take column ranges; each
-// walks w in blocks of rows (BlockRows), and for each strip of 32 columns packs 32 rows into the
+// walks w in blocks of kKBlock rows, and for each strip of 32 columns packs 32 rows into the
 // tile unit's pair layout (rows k and k + 1 interleaved, on the fly, in a 2 KB scratch) and
 // multiplies them with x's rows (two row groups of up to 16: tiles 4 and 5) into 2 x 2 float32
 // result tiles, loaded and stored once per block. w[N, K] (a tied embedding table as LM head)
@@ -42,12 +42,11 @@ namespace {
 
 constexpr int kMaxRows = 32;     // two row groups of 16
 constexpr int64_t kKStep = 32;   // k per tile multiply-add (16 pairs)
-// Rows of w per block (result tiles are loaded and stored once per block, and the next block
-// is prefetched): short blocks stream best for a row or a few, long ones for more rows, whose
-// result tiles cost more to move (a C++ harness over SmolLM2's 210 layer matrices, 2 threads:
-// 1 row 27-28 GB/s at 32 against 21-23 at 128; 8 rows 21-22 at 128 against 18 at 32). The
-// block does not change any sum: the tiles hold float32 between blocks.
-constexpr int64_t BlockRows(int M) { return M <= 4 ? 32 : 128; }
+// Rows of w per block (one tile step): the result tiles are loaded and stored once per block
+// and the next block is prefetched. Longer blocks (64, 128) streamed slower for 1 and 8 rows
+// in a jitted chain of SmolLM2's 210 layer matrices (the float32 sums between blocks are
+// exact, so the block does not change any result).
+constexpr int64_t kKBlock = 32;
 constexpr int64_t kStrip = 32;   // columns per strip: two result tiles of 16
 
 // Tile registers. w[K, N]: C[g][j] = 2 g + j (row group g, column tile j), A[g] = 4 + g (x's
@@ -101,9 +100,9 @@ void Columns(const uint16_t* x, const uint16_t* w, float* y, int M, int64_t K, i
   const int rows[2] = {std::min(M, 16), std::max(M - 16, 0)};
   Configure(rows, false);
   alignas(64) uint16_t packed[2][16 * 32];
-  const int64_t ld_x = 2 * K, ld_y = 4 * N, block = BlockRows(M);
-  for (int64_t k0 = 0; k0 < K; k0 += block) {
-    const int64_t k1 = std::min(K, k0 + block);
+  const int64_t ld_x = 2 * K, ld_y = 4 * N;
+  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+    const int64_t k1 = std::min(K, k0 + kKBlock);
     for (int64_t n = c0; n < c1; n += kStrip) {
       const bool two = n + 16 < c1;
       float* yn = y + n;
@@ -123,7 +122,7 @@ void Columns(const uint16_t* x, const uint16_t* w, float* y, int M, int64_t K, i
         if (two) PackPairs(wk + 16, N, packed[1]);
         // The same strip of the next block, into L2 (one 64-byte line per row of w).
         for (int r = 0; r < kKStep; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(wk + (block + r) * N), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(wk + (kKBlock + r) * N), _MM_HINT_T1);
         }
         _tile_loadd(4, x + k, ld_x);
         _tile_loadd(6, packed[0], 64);
@@ -263,6 +262,20 @@ ffi::Error SmallMatmulAmxT(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   return Run(pool, x, w, y, /*transposed=*/true);
 }
 
+// The matmul of one layer inside a scan over layers: x @ layers[index], with every layer's
+// [K, N] array an operand and the layer's index a traced one, so the chosen matrix is read in
+// place with no conditional of XLA's around the call (a switch over 30 layers cost about 5 us
+// per matmul).
+ffi::Error LayerMatmulAmx(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                          ffi::Buffer<ffi::S32> index, ffi::RemainingArgs layers,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto w = layers.get<ffi::Buffer<ffi::BF16>>(static_cast<size_t>(index.typed_data()[0]));
+  if (!w.has_value()) {
+    return ffi::Error::InvalidArgument("layer_matmul_amx: the layer index is out of range");
+  }
+  return Run(pool, x, *w, y, /*transposed=*/false);
+}
+
 }  // namespace
 
 #define DSPARK_BINDING                 \
@@ -274,3 +287,10 @@ ffi::Error SmallMatmulAmxT(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulAmx, SmallMatmulAmx, DSPARK_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulAmxT, SmallMatmulAmxT, DSPARK_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmulAmx, LayerMatmulAmx,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // the layer's index
+                                  .RemainingArgs()                // every layer's matrix
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -90,6 +90,9 @@ class LayerKernel:
     def einsum(self, spec: str, x: jax.Array, preferred_element_type=None) -> jax.Array:
         """``jnp.einsum(spec, x, matrix, preferred_element_type=...)`` of this layer's matrix
         read in place, e.g. "...i,io->...o": x [..., in] -> [..., out]."""
+        if spec == "...i,io->...o" and cpu_matmul.applies(x, self.layers[0],
+                                                            preferred_element_type):
+            return cpu_matmul.layer_matmul(x, self.layers, self.index)  # a few rows, in place
         branches = [functools.partial(_einsum_with, spec, j, preferred_element_type)
                     for j in range(len(self.layers))]
         return jax.lax.switch(self.index, branches, x, self.layers)
@@ -97,8 +100,6 @@ class LayerKernel:
 
 def _einsum_with(spec: str, j: int, preferred_element_type, x: jax.Array,
                  layers: tuple) -> jax.Array:
-    if spec == "...i,io->...o" and cpu_matmul.applies(x, layers[j], preferred_element_type):
-        return cpu_matmul.matmul(x, layers[j])  # a few rows: read the matrix once
     return jnp.einsum(spec, x, layers[j], preferred_element_type=preferred_element_type)
 
 

@@ -153,3 +153,18 @@ def test_the_amx_kernel_runs_only_where_it_applies():
                           "print(cpu_matmul.amx_available(), cpu_matmul.available())"],
                          env=env, capture_output=True, text=True, check=True)
     assert off.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=amx)])
+def test_a_layer_matmul_reads_the_indexed_layer_in_place(dtype):
+    rng = np.random.default_rng(5)
+    layers = tuple(jnp.asarray(rng.standard_normal((64, 48)), dtype) for _ in range(5))
+    x = jnp.asarray(rng.standard_normal((3, 64)), dtype)
+    product = jax.jit(lambda x, i: cpu_matmul.layer_matmul(x, layers, i))
+    for i in range(len(layers)):
+        np.testing.assert_array_equal(product(x, i), cpu_matmul.matmul(x, layers[i]))
+    with pytest.raises(Exception, match="layer index is out of range"):
+        product(x, len(layers)).block_until_ready()
+    for platform, calls in (("cpu", 1), ("cuda", 0)):  # elsewhere: a switch over einsums
+        text = product.trace(x, 0).lower(lowering_platforms=(platform,)).as_text()
+        assert text.count(f"@{cpu_matmul.LAYER_TARGETS[jnp.dtype(dtype)]}(") == calls
