@@ -39,7 +39,9 @@ constexpr int kVectors = 4;  // 16-float vectors of columns per register tile (6
 constexpr int kWideRows = 6;
 
 // The 16-float vectors of columns per tile for M rows.
-constexpr int VectorsFor(int64_t M) { return std::min<int64_t>(M, kRows) > kWideRows ? 3 : kVectors; }
+constexpr int VectorsFor(int64_t M) {
+  return std::min<int64_t>(M, kRows) > kWideRows ? 3 : kVectors;
+}
 
 // acc(m, j) over rows [k0, k1) of w, for MR rows of x and NV vectors of columns from w's
 // column 0 (w, y already offset). The last vector is masked by `tail` (N not a multiple of 16).
@@ -85,7 +87,9 @@ void Tile(const float* x, int64_t K, const float* w, int64_t N, float* y, int64_
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                         __mmask16);
 
-// Tiles by rows and vectors; rows above kWideRows have no 4-vector tile (it would spill).
+// Tiles by rows and vectors; rows above kWideRows have no 4-vector tile (it would spill): the
+// slot is null, and its untaken branch names Tile<MR, VectorsFor(MR)> = Tile<MR, 3>, so that
+// Tile<MR, 4> is never instantiated.
 template <int MR>
 constexpr TileFn kTilesOf[kVectors] = {Tile<MR, 1>, Tile<MR, 2>, Tile<MR, 3>,
                                        MR > kWideRows ? nullptr : Tile<MR, VectorsFor(MR)>};
