@@ -17,11 +17,12 @@ LM heads (``Decoder.logits``) of a float32 model take this path.
 
 bfloat16 rows by bfloat16 weights with a float32 result (``layer_weights.with_dtype``'s
 weights) take ``cpu_matmul_amx.cc`` on CPUs with AMX (Sapphire Rapids and later, Linux): the
-tile unit multiplies up to 32 rows for the cost of reading the matrix once, where the AVX-512
-multiply-adds of a float32 product of 8 rows already bind a 2-core machine
-(:func:`amx_available`; off with ``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile
-unit's, in another order than XLA's bfloat16 dot: within bfloat16's tolerance, and a row's
-bits again do not depend on the other rows.
+tile unit multiplies up to 16 rows for the cost of reading the matrix once, where the AVX-512
+multiply-adds of a float32 product of 8 rows already bind a 2-core machine, and batches of up
+to 128 rows as fast as XLA's bfloat16 dot or faster (:func:`amx_available`; off with
+``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile unit's, in another order than XLA's
+bfloat16 dot: within bfloat16's tolerance, and a row's bits again do not depend on the other
+rows, so a token gets the same bits in a batch of any size up to 128 rows.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ LAYER_TARGETS = {jnp.dtype(jnp.float32): "dspark_layer_matmul",  # by dtype: lay
 AMX_SOURCE = Path(__file__).with_name("cpu_matmul_amx.cc")
 AMX_TARGETS = {False: "dspark_small_matmul_amx", True: "dspark_small_matmul_amx_t"}
 AMX_FLAGS = ("-mavx512bw", "-mamx-tile", "-mamx-bf16")
-MAX_ROWS = 32  # the most rows (tokens times batch rows) multiplied by either kernel
+MAX_ROWS = 32  # the most rows (tokens times batch rows) of a float32 product by the kernel
+# ... of a bfloat16 one: beyond, XLA's dot is faster (a prefill's thousands of rows)
+AMX_MAX_ROWS = 128
 AMX_K, AMX_N = 32, 16  # the AMX kernel's contraction and output sizes are multiples of these
 
 
@@ -93,16 +96,18 @@ def _kernel(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
 def applies(x: jax.Array, w: jax.Array, preferred_element_type=None,
             transpose_w: bool = False) -> bool:
     """Whether :func:`matmul` of x [..., K] by w (``transpose_w``: w [N, K]) runs a kernel on
-    CPU: at most :data:`MAX_ROWS` rows, and either both float32 with no other result dtype
-    asked (:func:`available`), or both bfloat16 with a float32 result asked, K a multiple of
-    :data:`AMX_K` and N of :data:`AMX_N` (:func:`amx_available`)."""
+    CPU: either both float32 with no other result dtype asked and at most :data:`MAX_ROWS`
+    rows (:func:`available`), or both bfloat16 with a float32 result asked, at most
+    :data:`AMX_MAX_ROWS` rows, K a multiple of :data:`AMX_K` and N of :data:`AMX_N`
+    (:func:`amx_available`)."""
     rows = math.prod(x.shape[:-1])
-    if w.ndim != 2 or not 0 < rows <= MAX_ROWS:
+    if w.ndim != 2 or rows == 0:
         return False
     if x.dtype == jnp.float32 and w.dtype == jnp.float32:
-        return preferred_element_type in (None, jnp.float32) and available()
+        return (rows <= MAX_ROWS and preferred_element_type in (None, jnp.float32)
+                and available())
     n = w.shape[0] if transpose_w else w.shape[1]
-    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and rows <= AMX_MAX_ROWS
             and preferred_element_type == jnp.float32 and x.shape[-1] % AMX_K == 0
             and n % AMX_N == 0 and amx_available())
 

@@ -104,10 +104,13 @@ def test_row_sums_do_not_depend_on_the_other_rows():
 
 amx = pytest.mark.skipif(not cpu_matmul.amx_available(), reason="no AMX-BF16 here")
 
-# (leading dims of x, K, N): one and two row groups (17, 32 rows), a last strip of 16
-# columns, a single tile step (K = 32), SmolLM2 matrices.
-AMX_SHAPES = [((1,), 576, 1536), ((8,), 1536, 576), ((17,), 64, 48), ((2, 16), 96, 80),
-              ((3,), 32, 16)]
+# (leading dims of x, K, N): streamed rows (1, 3, 8, 16), batches of 17 to 128 rows (one or
+# two row groups per 32 rows of w[K, N]; up to four row groups per pass over w[N, K], and two
+# passes for 100 rows), a last strip of 16 columns, a single tile step (K = 32), SmolLM2
+# matrices.
+AMX_SHAPES = [((1,), 576, 1536), ((8,), 1536, 576), ((16,), 64, 48), ((17,), 64, 48),
+              ((2, 16), 96, 80), ((3,), 32, 16), ((40,), 64, 112), ((64,), 96, 48),
+              ((4, 25), 64, 32), ((cpu_matmul.AMX_MAX_ROWS,), 32, 16)]
 
 
 @amx
@@ -135,8 +138,8 @@ def test_the_amx_kernel_runs_only_where_it_applies():
         return text.count(f"@{cpu_matmul.AMX_TARGETS[False]}(")
 
     bf16 = functools.partial(jnp.ones, dtype=jnp.bfloat16)
-    assert calls(bf16((cpu_matmul.MAX_ROWS, 64)), bf16((64, 32))) == 1
-    assert calls(bf16((cpu_matmul.MAX_ROWS + 1, 64)), bf16((64, 32))) == 0  # XLA's dot
+    assert calls(bf16((cpu_matmul.AMX_MAX_ROWS, 64)), bf16((64, 32))) == 1
+    assert calls(bf16((cpu_matmul.AMX_MAX_ROWS + 1, 64)), bf16((64, 32))) == 0  # XLA's dot
     assert calls(bf16((2, 48)), bf16((48, 32))) == 0  # K not a multiple of 32
     assert calls(bf16((2, 64)), bf16((64, 40))) == 0  # N not a multiple of 16
     assert calls(bf16((2, 64)), bf16((64, 32)), lowering_platforms=("cuda",)) == 0
