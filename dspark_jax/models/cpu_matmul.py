@@ -19,10 +19,10 @@ bfloat16 rows by bfloat16 weights with a float32 result (``layer_weights.with_dt
 weights) take ``cpu_matmul_amx.cc`` on CPUs with AMX (Sapphire Rapids and later, Linux): the
 tile unit multiplies up to 16 rows for the cost of reading the matrix once, where the AVX-512
 multiply-adds of a float32 product of 8 rows already bind a 2-core machine, and batches of up
-to 128 rows as fast as XLA's bfloat16 dot or faster (:func:`amx_available`; off with
-``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile unit's, in another order than XLA's
-bfloat16 dot: within bfloat16's tolerance, and a row's bits again do not depend on the other
-rows, so a token gets the same bits in a batch of any size up to 128 rows.
+to 64 rows about as fast as XLA's bfloat16 dot, the LM head faster (:func:`amx_available`; off
+with ``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile unit's, in another order than
+XLA's bfloat16 dot: within bfloat16's tolerance, and a row's bits again do not depend on the
+other rows, so a token gets the same bits in a batch of any size up to 64 rows.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ AMX_SOURCE = Path(__file__).with_name("cpu_matmul_amx.cc")
 AMX_TARGETS = {False: "dspark_small_matmul_amx", True: "dspark_small_matmul_amx_t"}
 AMX_FLAGS = ("-mavx512bw", "-mamx-tile", "-mamx-bf16")
 MAX_ROWS = 32  # the most rows (tokens times batch rows) of a float32 product by the kernel
-# ... of a bfloat16 one: beyond, XLA's dot is faster (a prefill's thousands of rows)
-AMX_MAX_ROWS = 128
+# ... of a bfloat16 one: beyond, XLA's dot is as fast (benchmarks/amx_rows.py)
+AMX_MAX_ROWS = 64
 AMX_K, AMX_N = 32, 16  # the AMX kernel's contraction and output sizes are multiples of these
 
 

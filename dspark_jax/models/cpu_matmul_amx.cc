@@ -1,5 +1,5 @@
-// y[M, N] = x[M, K] @ w[K, N] (or @ w[N, K]^T) for bfloat16 x and w and a float32 y, on the AMX
-// tile unit of x86 CPUs (Sapphire Rapids and later), as XLA FFI custom calls.
+// y[M, N] = x[M, K] @ w[K, N] (or @ w[N, K]^T) for bfloat16 x and w and a float32 y, M <= 64,
+// on the AMX tile unit of x86 CPUs (Sapphire Rapids and later), as XLA FFI custom calls.
 //
 // A float32 product of 8 rows is bound by the AVX-512 multiply-adds of a 2-core machine (8
 // rows cost 1.3-1.5x one row), and XLA:CPU's bfloat16 product of a few rows runs below the
@@ -16,8 +16,9 @@
 // tiles' loads and stores would outweigh the multiplies) take a strip's whole K packed once
 // and every 32 rows of x against it, the result tiles staying in the tile unit over all of K.
 // w[N, K] (a tied embedding table as LM head) is multiplied the other way round, y^T = w x^T:
-// 16 rows of w are a tile as they lie, x^T is packed once per call (up to 64 rows: four result
-// tiles), and each result tile [16 columns x 16 rows] is written out transposed.
+// 16 rows of w are a tile as they lie, x^T is packed once per call (four row groups of 16: four
+// result tiles), and each result tile [16 columns x 16 rows] is written out transposed. Beyond
+// 64 rows XLA's dot is as fast (benchmarks/amx_rows.py).
 //
 // Every result element is the same sequence of tile multiply-adds over k = 0, 32, 64, ... in
 // order whatever M, the path, the threads or the strips (the tile unit sums each element's 32
@@ -44,9 +45,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int kMaxRows = 64;     // four row groups of 16
 constexpr int kStreamRows = 16;  // the most rows multiplied by streaming w (one row group)
 constexpr int kTallRows = 32;    // rows of x per pass over a packed strip (two row groups)
-constexpr int kGroupsT = 4;      // row groups of x per pass over w[N, K]: up to 64 rows
 constexpr int64_t kKStep = 32;   // k per tile multiply-add (16 pairs)
 // Rows of w per block (one tile step) when streaming: the result tiles are loaded and stored
 // once per block and the next block is prefetched. Longer blocks (64, 128) streamed slower for
@@ -140,8 +141,8 @@ void StreamColumns(const uint16_t* x, const uint16_t* w, float* y, int M, int64_
   _tile_release();
 }
 
-// Columns [c0, c1) of y = x @ w, w[K, N], for any M: x padded with zero rows to a multiple of
-// kTallRows. Each strip's K x 32 columns are packed once (K x 128 bytes) and multiplied with
+// Columns [c0, c1) of y = x @ w, w[K, N], kStreamRows < M <= kMaxRows: x padded with zero rows
+// to a multiple of kTallRows. Each strip's K x 32 columns are packed once (K x 128 bytes) and multiplied with
 // every 32 rows of x, the four result tiles held over all of K.
 void TallColumns(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K,
                  int64_t N, int64_t c0, int64_t c1) {
@@ -232,8 +233,8 @@ inline void StoreTransposed(const float* out, int rows, float* y, int64_t ld) {
   }
 }
 
-// Columns [c0, c1) of y = x @ w^T, w[N, K], for M <= 16 * kGroupsT rows (x^T packed, zero
-// columns past M): per block of 16 rows of w, one result tile per row group of x.
+// Columns [c0, c1) of y = x @ w^T, w[N, K] (x^T packed, zero columns past M): per block of 16
+// rows of w, one result tile per row group of x.
 void TransposedColumns(const uint32_t* xt, const uint16_t* w, float* y, int M, int64_t K,
                        int64_t N, int64_t c0, int64_t c1) {
   Configure();
@@ -287,9 +288,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi
   const int64_t N = transposed ? wd.front() : wd.back();
   int64_t M = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
-  if (xd.back() != K || K % kKStep != 0 || N % 16 != 0) {
+  if (xd.back() != K || K % kKStep != 0 || N % 16 != 0 || M > kMaxRows) {
     return ffi::Error::InvalidArgument(
-        std::string(name) + ": x [M, K], w with K a multiple of 32 and N of 16 expected");
+        std::string(name) + ": x [M <= 64, K], w with K a multiple of 32 and N of 16 expected");
   }
   if (M == 0 || N == 0) return ffi::Error::Success();
   float* out = y->typed_data();
@@ -303,20 +304,16 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi
   const int64_t chunks = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), strips);
   const int64_t width = kStrip * ((strips + chunks - 1) / chunks);
   const int64_t count = (N + width - 1) / width;
+  const int rows = static_cast<int>(M);
   if (transposed) {
-    for (int64_t m0 = 0; m0 < M; m0 += 16 * kGroupsT) {  // w read once per 64 rows
-      const int rows = static_cast<int>(std::min<int64_t>(M - m0, 16 * kGroupsT));
-      const int groups = (rows + 15) / 16;
-      std::vector<uint32_t> xt(K / kKStep * groups * 256);
-      PackTransposed(a + m0 * K, rows, K, groups, xt.data());
-      const uint32_t* packed = xt.data();
-      float* ym = out + m0 * N;
-      dspark::ParallelFor(pool, count, 0, [=](int64_t c) {
-        TransposedColumns(packed, b, ym, rows, K, N, c * width, std::min(N, (c + 1) * width));
-      });
-    }
+    const int groups = (rows + 15) / 16;
+    std::vector<uint32_t> xt(K / kKStep * groups * 256);
+    PackTransposed(a, rows, K, groups, xt.data());
+    const uint32_t* packed = xt.data();
+    dspark::ParallelFor(pool, count, 0, [=](int64_t c) {
+      TransposedColumns(packed, b, out, rows, K, N, c * width, std::min(N, (c + 1) * width));
+    });
   } else if (M <= kStreamRows) {
-    const int rows = static_cast<int>(M);
     dspark::ParallelFor(pool, count, 0, [=](int64_t c) {
       StreamColumns(a, b, out, rows, K, N, c * width, std::min(N, (c + 1) * width));
     });
@@ -325,9 +322,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi
     const int64_t padded = (M + kTallRows - 1) / kTallRows * kTallRows;
     std::vector<uint16_t> xp(padded * K, 0);
     std::memcpy(xp.data(), a, M * K * sizeof(uint16_t));
-    const uint16_t* rows = xp.data();
+    const uint16_t* x_padded = xp.data();
     dspark::ParallelFor(pool, count, 0, [=](int64_t c) {
-      TallColumns(rows, b, out, M, K, N, c * width, std::min(N, (c + 1) * width));
+      TallColumns(x_padded, b, out, M, K, N, c * width, std::min(N, (c + 1) * width));
     });
   }
   return ffi::Error::Success();

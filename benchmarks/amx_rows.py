@@ -1,0 +1,90 @@
+"""bfloat16 products of M rows: the AMX kernel (``cpu_matmul_amx.cc``) against XLA's dot.
+
+Times one product x [M, K] @ w (bfloat16 operands, float32 result) of each of SmolLM2-135M's
+matrix shapes, the layer matrices as w [K, N] (q/k/v/o as one [576, 1536], gate/up [576, 3072],
+down [1536, 576]) and the tied LM head as w [N, K] = [49152, 576], for each M: through the
+kernel (``cpu_matmul._kernel``, whatever ``cpu_matmul.applies`` says) and through
+``jnp.einsum`` with a float32 result (XLA:CPU's dot), alternating in one process. Each figure
+is the best of ``--repeats`` jitted loops of 20 products of the same matrix, so the matrix
+stays in the caches: this is the products' compute, not the decode step's weight streaming
+(``bench_ar_generate.py``). It chose ``cpu_matmul.AMX_MAX_ROWS`` = 64 (the kernel then took any
+number of rows, commit dc8ad4e; at 128 and 512 rows XLA's dot was as fast or faster,
+BENCHMARKS.md); rows are at most that now:
+
+    python benchmarks/amx_rows.py --rows 1 8 16 17 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from _common import ROOT, command_line, cpu_name
+
+SHAPES = {"qkvo": (576, 1536, False), "gate_up": (576, 3072, False), "down": (1536, 576, False),
+          "lm_head": (49152, 576, True)}  # name: (w's shape, transpose_w)
+LOOP = 20
+
+
+def seconds(product, x, w, repeats: int) -> float:
+    """Best seconds per product over ``repeats`` jitted loops of :data:`LOOP` products."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def loop(x, w):
+        def body(_, acc):  # each product depends on the last, so none is hoisted or skipped
+            return acc + product(x + (acc[:, :1] * 0).astype(x.dtype), w)[:, :1]
+        return jax.lax.fori_loop(0, LOOP, body, jnp.zeros((x.shape[0], 1), jnp.float32))
+
+    loop(x, w).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loop(x, w).block_until_ready()
+        best = min(best, (time.perf_counter() - start) / LOOP)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 17, 32, 64])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output", type=Path,
+                        default=ROOT / "benchmarks" / "results" / "amx_rows.json")
+    args = parser.parse_args()
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dspark_jax.models import cpu_matmul
+
+    if not cpu_matmul.amx_available():
+        raise SystemExit("the AMX kernel does not run here (cpu_matmul.amx_available())")
+    if max(args.rows) > cpu_matmul.AMX_MAX_ROWS or min(args.rows) < 1:
+        raise SystemExit(f"--rows must lie in 1..{cpu_matmul.AMX_MAX_ROWS} (the kernel's rows)")
+    rng = np.random.default_rng(0)
+    report = dict(command=command_line(__file__), cpu=cpu_name(), cores=os.cpu_count(),
+                  date=time.strftime("%Y-%m-%d %H:%M"), load_before=os.getloadavg()[0],
+                  amx_max_rows=cpu_matmul.AMX_MAX_ROWS, rows=[])
+    for name, (a, b, transpose_w) in SHAPES.items():
+        w = jnp.asarray(0.02 * rng.standard_normal((a, b)), jnp.bfloat16)
+        for m in args.rows:
+            x = jnp.asarray(rng.standard_normal((m, b if transpose_w else a)), jnp.bfloat16)
+            amx = seconds(lambda x, w: cpu_matmul._kernel(x, w, transpose_w), x, w, args.repeats)
+            xla = seconds(lambda x, w: cpu_matmul._einsum(x, w, transpose_w), x, w, args.repeats)
+            row = dict(matrix=name, rows=m, amx_ms=1e3 * amx, xla_ms=1e3 * xla, xla_over_amx=xla / amx)
+            report["rows"].append(row)
+            print(f"{name:8s} {m:4d} rows: AMX {row['amx_ms']:7.3f} ms, XLA {row['xla_ms']:7.3f} ms "
+                  f"({row['xla_over_amx']:.2f}x)", flush=True)
+    report["load_after"] = os.getloadavg()[0]
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
