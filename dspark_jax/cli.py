@@ -11,8 +11,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "auto": None}
 WEIGHT_DTYPES = ("bfloat16",)
 WEIGHT_DTYPE_HELP = ("decode with the target's weight matrices in this dtype under its --dtype "
                      "activations (multiplied in bfloat16, accumulated in float32): on a CPU "
-                     "with AMX faster from 8 rows on, slower at batch 1; the law then is the "
-                     "bfloat16-weight target's, and a greedy output may depend on the batch")
+                     "with AMX faster at every batch size; the law then is the bfloat16-weight "
+                     "target's, and a greedy output may depend on the batch")
 DRAFT_WEIGHT_DTYPE_HELP = ("the drafter's weight matrices in this dtype (multiplied in bfloat16, "
                            "accumulated in float32): a faster draft step on a CPU with AMX; "
                            "only the draft law changes, so outputs stay exact")

@@ -179,7 +179,7 @@ def with_dtype(state: nnx.State, stack_names: tuple[str, ...], dtype,
     (``layers.Linear``, ``Decoder.logits``) and the embedding rows are read back in float32.
     On a CPU with AMX, XLA:CPU runs such matmuls of 4 to 32 rows 1.4-2.2x as fast as float32
     ones and of one row at about half their speed (BENCHMARKS.md, "bfloat16 weight matrices on
-    a CPU"). New buffers (one more copy of the matrices, made once); the rest is shared."""
+    a CPU"); ``cpu_matmul``'s AMX kernel takes those of up to 64 rows. New buffers (one more copy of the matrices, made once); the rest is shared."""
     if dtype is None:
         return state
     dtype = jnp.dtype(dtype)
