@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.model_config import FULL, attention_dims
-from dspark_jax.models import cpu_matmul
+from dspark_jax.models import cpu_kernels, cpu_matmul
 from dspark_jax.models.layer_weights import LayerKernel
 
 INIT_STD = 0.02
@@ -102,6 +102,8 @@ class Linear(nnx.Module):
         def product(x):
             if isinstance(kernel, LayerKernel):  # one layer of per-layer arrays, read in place
                 return kernel.einsum("...i,io->...o", x, preferred_element_type=accumulate)
+            if cpu_kernels.unsharded() and cpu_matmul.applies(x, kernel, accumulate):
+                return cpu_matmul.matmul(x, kernel)  # a few rows on a CPU (a drafter's context)
             return jnp.einsum("...i,io->...o", x, kernel, preferred_element_type=accumulate)
 
         y = product(x) if accumulate is None else with_min_rows(product, x)
