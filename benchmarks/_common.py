@@ -65,6 +65,15 @@ def read_bandwidth() -> float:
     return x.nbytes / best
 
 
+def write_report(report: dict, output: Path) -> None:
+    """Writes a benchmark's report as indented JSON to ``output`` (its folder made) and says so,
+    with the load average at the end recorded as ``load_after``."""
+    report["load_after"] = os.getloadavg()[0]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
 def op_table(trace_dir: Path, hlo: str, per: int, *, group: bool, top: int) -> list[str]:
     """The most expensive operations of a ``jax.profiler`` trace (XLA:CPU with
     ``--xla_cpu_enable_xprof_traceme=true``), as lines 'ms per unit, calls per unit, program:

@@ -17,12 +17,11 @@ BENCHMARKS.md); rows are at most that now:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
-from _common import ROOT, command_line, cpu_name
+from _common import ROOT, command_line, cpu_name, write_report
 
 SHAPES = {"qkvo": (576, 1536, False), "gate_up": (576, 3072, False), "down": (1536, 576, False),
           "lm_head": (49152, 576, True)}  # name: (w's shape, transpose_w)
@@ -80,10 +79,7 @@ def main():
             report["rows"].append(row)
             print(f"{name:8s} {m:4d} rows: AMX {row['amx_ms']:7.3f} ms, XLA {row['xla_ms']:7.3f} ms "
                   f"({row['xla_over_amx']:.2f}x)", flush=True)
-    report["load_after"] = os.getloadavg()[0]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_report(report, args.output)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,11 @@ The machine's read bandwidth (a jitted sum over 1 GiB) is measured in the same r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name, read_bandwidth
+from _common import ROOT, cpu_name, read_bandwidth, write_report
 
 LAYERS, HIDDEN, MLP = 30, 576, 1536
 VARIANTS = ("float32", "bfloat16-upcast", "bfloat16-dot")
@@ -145,10 +144,7 @@ def main():
                     print(f"batch {batch:3d}  {variant:16s} {form:8s} {row['loop']:8s} "
                           f"{row['ms_per_pass']:7.2f} ms  {row['weight_mb']:4.0f} MB  "
                           f"{row['weight_gb_s']:5.1f} GB/s", flush=True)
-    report["load_after"] = os.getloadavg()[0]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_report(report, args.output)
 
 
 if __name__ == "__main__":
