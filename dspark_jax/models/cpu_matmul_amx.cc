@@ -64,6 +64,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Tile registers. w[K, N]: result tiles 2 g + j (x's row group g, w's column tile j), x's row
+// groups in 4 and 5, w's packed column tiles in 6 and 7. w[N, K]: result tile g per row group
+// of x, 16 rows of w in 4, x^T's packed row groups in 5, 6, 7 (and 5 again for the fourth).
 // Every tile 16 rows of 64 bytes, except that the streaming path's x tile (4) and result
 // tiles (0, 1) have `rows` rows: x's rows are its rows as they lie. The other paths read
 // padded operands and always multiply full tiles.
