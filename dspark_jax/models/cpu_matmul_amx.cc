@@ -145,8 +145,8 @@ void StreamColumns(const uint16_t* x, const uint16_t* w, float* y, int M, int64_
 }
 
 // Columns [c0, c1) of y = x @ w, w[K, N], kStreamRows < M <= kMaxRows: x padded with zero rows
-// to a multiple of kTallRows. Each strip's K x 32 columns are packed once (K x 128 bytes) and multiplied with
-// every 32 rows of x, the four result tiles held over all of K.
+// to a multiple of kTallRows. Each strip's K x 32 columns are packed once (K x 128 bytes) and
+// multiplied with every 32 rows of x, the four result tiles held over all of K.
 void TallColumns(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K,
                  int64_t N, int64_t c0, int64_t c1) {
   Configure();
