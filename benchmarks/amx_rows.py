@@ -75,10 +75,11 @@ def main():
             x = jnp.asarray(rng.standard_normal((m, b if transpose_w else a)), jnp.bfloat16)
             amx = seconds(lambda x, w: cpu_matmul._kernel(x, w, transpose_w), x, w, args.repeats)
             xla = seconds(lambda x, w: cpu_matmul._einsum(x, w, transpose_w), x, w, args.repeats)
-            row = dict(matrix=name, rows=m, amx_ms=1e3 * amx, xla_ms=1e3 * xla, xla_over_amx=xla / amx)
+            row = dict(matrix=name, rows=m, amx_ms=1e3 * amx, xla_ms=1e3 * xla,
+                       xla_over_amx=xla / amx)
             report["rows"].append(row)
-            print(f"{name:8s} {m:4d} rows: AMX {row['amx_ms']:7.3f} ms, XLA {row['xla_ms']:7.3f} ms "
-                  f"({row['xla_over_amx']:.2f}x)", flush=True)
+            print(f"{name:8s} {m:4d} rows: AMX {row['amx_ms']:7.3f} ms, "
+                  f"XLA {row['xla_ms']:7.3f} ms ({row['xla_over_amx']:.2f}x)", flush=True)
     write_report(report, args.output)
 
 
