@@ -347,7 +347,125 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// The queries of row b's tokens [t0, t1) in every query head of kv head kv over the row's own
+// tokens (a prefill: no cache): token t sees the tokens u <= t (and u > t - window where
+// window > 0) among the row's first len. The keys a block can see (u < min(t1, len)) are laid
+// out once as the cache holds them ([D, n] keys, [n, D] values) and read by the cache's
+// chains: a query's scores, softmax and weighted sum are those a decode step computes for the
+// same token with the tokens before it committed, bit for bit (the keys a query does not see
+// get weight 0, which adds +0 to each value's chain).
+void RowItem(const Shapes& sh, int64_t b, int64_t kv, int64_t t0, int64_t t1, int64_t window,
+             const float* q, const float* k, const float* v, const int32_t* lengths,
+             float scale, float* out, Scratch& scratch) {
+  const int64_t D = sh.D, T = sh.T, K = sh.K, H = sh.H, groups = H / K;
+  const int64_t len = std::clamp<int64_t>(lengths[b], 0, T);
+  for (int64_t t = std::max(t0, len); t < t1; ++t) {  // padding queries: zeros
+    for (int64_t g = 0; g < groups; ++g) {
+      std::fill_n(out + ((b * T + t) * H + kv * groups + g) * D, D, 0.0f);
+    }
+  }
+  t1 = std::min(t1, len);
+  if (t0 >= t1) return;
+  const int64_t n = t1;  // the keys any query of the block may see
+  scratch.new_keys.resize(D * n);
+  scratch.scores.resize(n * D);  // the values, slot-major
+  float* laid = scratch.new_keys.data();
+  float* values = scratch.scores.data();
+  for (int64_t u = 0; u < n; ++u) {
+    const float* key = k + ((b * T + u) * K + kv) * D;
+    for (int64_t d = 0; d < D; ++d) laid[d * n + u] = key[d];
+    std::copy_n(v + ((b * T + u) * K + kv) * D, D, values + u * D);
+  }
+  const int64_t tokens = std::max<int64_t>(1, kMaxQueries / groups);
+  scratch.new_scores.resize(tokens * groups * n);
+  scratch.queries.resize(tokens * groups);
+  scratch.score_rows.resize(tokens * groups);
+  scratch.out_rows.resize(tokens * groups);
+  scratch.denom.resize(tokens * groups);
+  for (int64_t s0 = t0; s0 < t1; s0 += tokens) {
+    const int64_t s1 = std::min(t1, s0 + tokens), nq = (s1 - s0) * groups;
+    for (int64_t i = 0; i < nq; ++i) {  // query i: token s0 + i / groups, head i % groups
+      const int64_t t = s0 + i / groups, h = kv * groups + i % groups;
+      scratch.queries[i] = q + ((b * T + t) * H + h) * D;
+      scratch.score_rows[i] = scratch.new_scores.data() + i * n;
+      scratch.out_rows[i] = out + ((b * T + t) * H + h) * D;
+    }
+    for (int64_t i = 0; i < nq; i += kMaxQueries) {
+      const int qb = static_cast<int>(std::min<int64_t>(kMaxQueries, nq - i));
+      kScores[qb - 1](scratch.queries.data() + i, laid, D, n, s1, scale,
+                      scratch.score_rows.data() + i);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t t = s0 + i / groups;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+      float* row = scratch.score_rows[i];
+      if (lo > 0) std::copy(row + lo, row + t + 1, row);  // a decode step's row starts at lo
+      scratch.denom[i] = Softmax(row, t + 1 - lo);
+      if (lo > 0) {
+        std::copy_backward(row, row + t + 1 - lo, row + t + 1);
+        std::fill_n(row, lo, 0.0f);
+      }
+      std::fill(row + t + 1, row + s1, 0.0f);
+    }
+    const int step = ValueQueries(D);
+    for (int64_t i = 0; i < nq; i += step) {
+      const int m = static_cast<int>(std::min<int64_t>(step, nq - i));
+      kWeighted[m - 1][D / 16 - 1](scratch.score_rows.data() + i, s1, values, 0, nullptr,
+                                   nullptr, nullptr, scratch.denom.data() + i,
+                                   scratch.out_rows.data() + i);
+    }
+  }
+}
+
+constexpr int64_t kRowTokens = 64;  // tokens of one row attention item
+
+ffi::Error RowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, float scale,
+                        int64_t window, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "row_attention: q [B, T, H, D], k and v [B, T, K, D] expected");
+  }
+  const Shapes sh{qd[0], qd[1], qd[2], kd[2], qd[3], 0};
+  if (kd[0] != sh.B || kd[1] != sh.T || kd[3] != sh.D || vd[0] != sh.B || vd[1] != sh.T ||
+      vd[2] != sh.K || vd[3] != sh.D || lengths.element_count() != sh.B || sh.K == 0 ||
+      sh.H % sh.K != 0) {
+    return ffi::Error::InvalidArgument("row_attention: inconsistent shapes");
+  }
+  if (sh.D % 16 != 0 || sh.D > 16 * kMaxHeadVectors) {
+    return ffi::Error::InvalidArgument("row_attention: a head dim that is a multiple of 16 up "
+                                       "to 256 expected");
+  }
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int32_t* lp = lengths.typed_data();
+  float* op = out->typed_data();
+  // One item: row b, kv head kv, a block of kRowTokens tokens; the last blocks (the most keys)
+  // first, so that the threads finish together.
+  const int64_t blocks = (sh.T + kRowTokens - 1) / kRowTokens;
+  dspark::ParallelFor(pool, sh.B * sh.K * blocks, 0, [=](int64_t i) {
+    thread_local Scratch scratch;
+    const int64_t block = blocks - 1 - i / (sh.B * sh.K), kv = i % sh.K, b = (i / sh.K) % sh.B;
+    const int64_t t0 = block * kRowTokens, t1 = std::min(sh.T, t0 + kRowTokens);
+    RowItem(sh, b, kv, t0, t1, window, qp, kp, vp, lp, scale, op, scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRowAttention, RowAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkCachedAttention, CachedAttention,
                               ffi::Ffi::Bind()

@@ -1,4 +1,5 @@
-"""Attention over one layer of a stacked float32 KV cache on x86 CPUs: ``cpu_attention.cc``.
+"""Attention over one layer of a stacked float32 KV cache, and a prefill's attention within
+its rows, on x86 CPUs: ``cpu_attention.cc``.
 
 A decode or verify step on XLA:CPU copies each layer's cache out of the stacked arrays (the
 layer scan's dynamic slice) and reads every slot of the step's view in two batched matmuls,
@@ -12,6 +13,12 @@ verify has the bits of its attention in a decode step.
 off with ``DSPARK_JAX_CPU_ATTENTION=0``) and lowers the caller's other implementation for
 other platforms (``lax.platform_dependent``). ``fused_attention.attend_cache`` chooses it as
 the "cpu" cache implementation, the default where it is available.
+
+:func:`attend_rows` is a prefill's causal attention within each row (no cache), by the same
+chains: the einsum materialises [B, K, G, T, T] score blocks and reads them five times (about
+70% of a 64-row prefill of 256-token prompts, BENCHMARKS.md); the kernel keeps a block of
+queries' scores in the cache, and a token's attention has the bits of a decode step's for it.
+``fused_attention.attend_segments`` runs it as the "cpu" implementation.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dspark_jax.models import cpu_kernels
 
 SOURCE = Path(__file__).with_name("cpu_attention.cc")
 TARGET = "dspark_cached_attention"
+ROW_TARGET = "dspark_row_attention"
 MAX_HEAD_DIM = 256  # the kernel's accumulators: 16 vectors of 16 floats
 
 
@@ -35,9 +43,10 @@ def available() -> bool:
     """Whether the kernel runs on CPU here (built and registered on the first call):
     ``cpu_kernels.usable`` (AVX-512, the CPU as JAX's default backend,
     ``DSPARK_JAX_CPU_ATTENTION`` not "0") and the kernel built (a C++ compiler)."""
-    what = "cache attentions"
+    what = "cache and prefill attentions"
     return (cpu_kernels.usable("DSPARK_JAX_CPU_ATTENTION", what)
-            and cpu_kernels.register(SOURCE, {TARGET: "DsparkCachedAttention"}, what))
+            and cpu_kernels.register(SOURCE, {TARGET: "DsparkCachedAttention",
+                                              ROW_TARGET: "DsparkRowAttention"}, what))
 
 
 def applies(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, k_new: jax.Array,
@@ -82,3 +91,39 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Arra
     return jax.lax.platform_dependent(q, k_cache, v_cache, layer, lengths, k_new, v_new,
                                       new_visible, cpu=functools.partial(_kernel, scale=scale),
                                       default=otherwise)
+
+
+def rows_apply(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether :func:`attend_rows` takes these operands: all float32, a head dim that is a
+    multiple of 16 up to :data:`MAX_HEAD_DIM`, no mesh of several devices, the kernel
+    available."""
+    d = q.shape[-1]
+    return (d % 16 == 0 and d <= MAX_HEAD_DIM and all(x.dtype == jnp.float32 for x in (q, k, v))
+            and cpu_kernels.unsharded() and available())
+
+
+def _row_kernel(q, k, v, lengths, *, scale: float, window: int):
+    call = jax.ffi.ffi_call(ROW_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, k, v, lengths.astype(jnp.int32), scale=np.float32(scale),
+                window=np.int64(window))
+
+
+def attend_rows(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float,
+                window: int | None, otherwise) -> jax.Array:
+    """Causal attention of each row's first ``lengths[b]`` tokens among themselves (a
+    prefill; the kernel on CPU: check :func:`rows_apply` first).
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, T, K, D] with H a multiple of K.
+      lengths: int [B]; token t of row b sees the tokens u <= t of the row (u > t - window
+        with a window); tokens t >= lengths[b] are padding and get zeros.
+      scale: the scores' scale; window: static, None for none.
+      otherwise: the same attention by other means, ``otherwise(q, k, v, lengths)``, lowered
+        for any other platform.
+
+    Returns:
+      [B, T, H, D] float32.
+    """
+    kernel = functools.partial(_row_kernel, scale=scale, window=window or 0)
+    return jax.lax.platform_dependent(q, k, v, lengths, cpu=kernel, default=otherwise)

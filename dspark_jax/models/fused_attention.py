@@ -17,7 +17,10 @@ drafter's training forward attends over its context and its own block
   JAX's cuDNN module, whose ``dot_product_attention`` takes them (``jax.nn``'s does not). Without
   a bound, the dense mask. (JAX's own ``implementation=None`` means XLA's, which stores the
   scores, so it is never passed);
-* CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference.
+* CPU, ``"einsum"``: :func:`layers.attend` over the dense mask, the reference;
+* CPU, ``"cpu"``: ``cpu_attention.attend_rows`` (x86 with AVX-512, float32, one segment per
+  row: a prefill; no gradient), the default of inference prefills there
+  (:func:`default_prefill_implementation`); other inputs take the einsum.
 
 Decode and verify steps attend over the KV cache (:func:`attend_cache`). On a single GPU,
 ``"pallas"`` runs the cache part through JAX's Pallas (Triton) decode kernel
@@ -55,7 +58,7 @@ from dspark_jax.models.kv_cache import slots_view
 from dspark_jax.sharding import logical_to_spec
 from dspark_jax.models.layers import attend, attend_blockwise, attend_cached, scores_of
 
-IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash")
+IMPLEMENTATIONS = ("einsum", "xla", "cudnn", "splash", "cpu")
 CACHE_IMPLEMENTATIONS = ("einsum", "pallas", "cpu")
 SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be a multiple of one
 
@@ -63,6 +66,14 @@ SPLASH_BLOCKS = (512, 256, 128)  # splash block sizes, largest first; T must be 
 def default_implementation() -> str:
     """"splash" on a TPU, "cudnn" on a GPU, "einsum" elsewhere."""
     return {"tpu": "splash", "gpu": "cudnn"}.get(jax.default_backend(), "einsum")
+
+
+def default_prefill_implementation() -> str:
+    """An inference prefill's (no gradient): "cpu" where ``cpu_attention`` runs, else
+    :func:`default_implementation`."""
+    if jax.default_backend() == "cpu" and cpu_attention.available():
+        return "cpu"
+    return default_implementation()
 
 
 def default_cache_implementation() -> str:
@@ -123,6 +134,15 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "cudnn" and not cudnn_applies(q, q.shape[1]):
         impl = "einsum"
+    if impl == "cpu":
+        if max_segments == 1 and cpu_attention.rows_apply(q, k, v):
+            def einsum(q, k, v, lengths):
+                return attend(q, k, v, segment_mask(_ones_before(lengths, q.shape[1]), window),
+                              scale=scale)
+            lengths = jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
+            return cpu_attention.attend_rows(q, k, v, lengths, scale=scale, window=window,
+                                             otherwise=einsum)
+        impl = "einsum"
     if impl == "einsum":
         return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
     if impl in ("xla", "cudnn"):
@@ -144,6 +164,11 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         return _splash(q, k, v, segment_ids, scale, window)
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
+
+
+def _ones_before(lengths: jax.Array, width: int) -> jax.Array:
+    """int [B, width]: 1 at the columns < lengths[b], 0 after (one segment per row)."""
+    return (jnp.arange(width)[None] < lengths[:, None]).astype(jnp.int32)
 
 
 def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
@@ -203,7 +228,7 @@ def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_ma
         the cuDNN route's arguments, checkable on a CPU); ``"einsum"`` and ``"splash"`` run
         ``layers.attend_blockwise``, which stores scores only against the context and the own
         block (splash takes only masks fixed at trace time, and this one depends on the
-        batch's anchors). None: :func:`default_implementation`.
+        batch's anchors), as does ``"cpu"`` (a prefill's kernel). None: :func:`default_implementation`.
 
     Returns:
       [B, T, H, D]; a token that sees no key gets zeros.
@@ -212,7 +237,7 @@ def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_ma
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "cudnn" and not cudnn_applies(q, q.shape[1], k_ctx.shape[1] + q.shape[1]):
         impl = "einsum"
-    if impl in ("einsum", "splash"):
+    if impl in ("einsum", "splash", "cpu"):
         return attend_blockwise(q, k_ctx.transpose(0, 2, 3, 1), v_ctx.swapaxes(1, 2), ctx_mask,
                                 k_block, v_block, keep, block_size=block_size, scale=scale)
     if impl not in ("xla", "cudnn"):

@@ -11,7 +11,8 @@ values into an [S, Q] grid (row, column within the row), attends per row over th
 committed cache slots plus its own new tokens (causal by column), and gathers the result back
 to the flat layout. Every row's cache is read once, as in a dense batch. A cache of no slots is
 a prefill: the rows are prompts (segment ids = rows), attended by the backend's fused kernel
-(``fused_attention``; on a CPU the einsum, long rows in query chunks).
+(``fused_attention``; on an x86 CPU with AVX-512 ``cpu_attention``'s, elsewhere on a CPU the
+einsum, long rows in query chunks).
 
 Shapes: T flat tokens, S cache rows, Q columns per row, N cache slots per row, L layers,
 H query heads, K kv heads, D head dim, d hidden size, m taps.
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 from dspark_jax.model_config import FULL, SLIDING
 from dspark_jax.models.decoder import Decoder, cache_fields, run_layers, window_mask
 from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.fused_attention import attend_cache, attend_segments, default_implementation
+from dspark_jax.models.fused_attention import (attend_cache, attend_segments,
+                                               default_prefill_implementation)
 from dspark_jax.models.layers import attend
 
 
@@ -67,8 +69,9 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
       view: static number of leading cache slots the attention reads (None: all N). Every
         start must be at most ``view``: a token never sees a slot at or past its row's start,
         so the slots past the view are never read, and the attention costs O(view), not O(N).
-      attention: a prefill's kernel (``fused_attention.IMPLEMENTATIONS``; None: the
-        backend's); splash needs a width that is a multiple of 128, others use the einsum.
+      attention: a prefill's kernel (``fused_attention.IMPLEMENTATIONS``; None:
+        ``default_prefill_implementation``); splash needs a width that is a multiple of 128,
+        others use the einsum.
       cache_attention: the kernel over the cache (``fused_attention.attend_cache``; None: the
         backend's).
 
@@ -81,7 +84,7 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
     for layer_id in tap_layer_ids:
         if not -1 <= layer_id < num_layers:
             raise ValueError(f"tap layer id {layer_id} out of range for {num_layers} layers")
-    impl = attention or default_implementation()
+    impl = attention or default_prefill_implementation()
     fused = num_slots == 0 and impl != "einsum" and (impl != "splash" or width % 128 == 0)
     h = model.embed(tokens[None])  # [1, T, d]
     cached = jnp.broadcast_to(jnp.arange(num_slots)[None, None, :] < starts[:, None, None],

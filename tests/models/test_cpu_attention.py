@@ -2,8 +2,11 @@
 CPUs equals the einsum's (``layers.attend_cached``) to float32 rounding, reads only each row's
 committed slots, gives a token in a verify the bits it gets in a decode step, stays out of
 programs it does not apply to, names bad input, and is what the engine's programs attend
-with, greedy speculative decoding equal to greedy autoregressive decoding through it."""
+with, greedy speculative decoding equal to greedy autoregressive decoding through it. The
+prefill's attention within rows (``attend_rows``) equals the einsum's causal attention, with
+and without a window, and gives each prompt token the bits of its decode step."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -92,8 +95,80 @@ def test_a_verified_token_gets_the_bits_of_its_decode_step():
             one["v_cache"][1, b, :, start[b] + t] = x["v_new"][b, t]
 
 
-def _custom_calls(f, *args, **lower) -> int:
-    return jax.jit(f).trace(*args).lower(**lower).as_text().count(cpu_attention.TARGET)
+def _row_kernel(q, k, v, lengths, scale, window=None):
+    return np.asarray(jax.jit(lambda *a: cpu_attention._row_kernel(
+        *a, scale=scale, window=window or 0))(q, k, v, np.asarray(lengths, np.int32)))
+
+
+def _row_operands(rows, tokens, heads, kv_heads, head_dim, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((rows, tokens, h, head_dim)).astype(np.float32)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+# (rows, tokens, heads, kv heads, head dim, window): SmolLM2's heads over two 64-token blocks
+# and a partial one; 16 query heads per kv head (more than one scoring pass); 128-wide heads
+# with a window; a row shorter than a block.
+ROW_SHAPES = [(3, 150, 9, 3, 64, None), (2, 70, 16, 1, 16, None), (2, 40, 4, 2, 128, 7),
+              (1, 5, 2, 2, 32, None)]
+
+
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=str)
+def test_a_prefill_is_the_einsums_causal_attention_within_each_row(shape):
+    *dims, window = shape
+    q, k, v = _row_operands(*dims)
+    rows, tokens = dims[:2]
+    lengths = np.array([tokens, 0, tokens - 13][:rows])  # a full row, an empty one, padding
+    got = _row_kernel(q, k, v, lengths, 0.125, window)
+    segments = (np.arange(tokens)[None] < lengths[:, None]).astype(np.int32)
+    want = layers.attend(q, k, v, fused_attention.segment_mask(jnp.asarray(segments), window),
+                         scale=0.125)
+    assert got.shape == q.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    if rows > 1:  # the empty row: zeros
+        np.testing.assert_array_equal(got[1], 0.0)
+
+
+def test_a_prefilled_token_gets_the_bits_of_its_decode_step():
+    rows, tokens, heads, kv_heads, head_dim = 2, 70, 6, 2, 64
+    q, k, v = _row_operands(rows, tokens, heads, kv_heads, head_dim, seed=5)
+    lengths = np.array([tokens, 41])
+    prefill = _row_kernel(q, k, v, lengths, 0.125)
+    cache = dict(k_cache=np.zeros((1, rows, kv_heads, head_dim, tokens), np.float32),
+                 v_cache=np.zeros((1, rows, kv_heads, tokens, head_dim), np.float32))
+    cache["k_cache"][0] = k.transpose(0, 2, 3, 1)
+    cache["v_cache"][0] = v.transpose(0, 2, 1, 3)
+    for t in range(tokens):  # the decode step of token t over the tokens before it, committed
+        step = dict(cache, q=q[:, t:t + 1], k_new=k[:, t:t + 1], v_new=v[:, t:t + 1])
+        got = _kernel(step, 0, np.full(rows, t, np.int32), np.ones((rows, 1, 1), bool), 0.125)
+        for b in range(rows):
+            if t < lengths[b]:
+                np.testing.assert_array_equal(got[b, 0], prefill[b, t])
+
+
+def _custom_calls(f, *args, target=cpu_attention.TARGET, **lower) -> int:
+    return jax.jit(f).trace(*args).lower(**lower).as_text().count(target)
+
+
+def test_attend_segments_runs_the_prefill_kernel_only_where_it_applies():
+    q, k, v = _row_operands(2, 20, 4, 2, 64)
+    segments = (np.arange(20)[None] < np.array([[20], [9]])).astype(np.int32)
+    calls = functools.partial(_custom_calls, target=cpu_attention.ROW_TARGET)
+
+    def attend(q, k, v, **kw):
+        return fused_attention.attend_segments(q, k, v, segments, scale=0.125, **kw)
+
+    on = dict(implementation="cpu", max_segments=1)
+    assert fused_attention.default_prefill_implementation() == "cpu"
+    assert fused_attention.default_implementation() == "einsum"  # training's: differentiable
+    assert calls(lambda *a: attend(*a, **on), q, k, v) == 1
+    assert calls(lambda *a: attend(*a, **dict(on, max_segments=None)), q, k, v) == 0  # packed
+    half = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+    assert calls(lambda *a: attend(*a, **on), *half) == 0
+    assert calls(lambda *a: attend(*a, **on), q, k, v, lowering_platforms=("cuda",)) == 0
+    got = jax.jit(lambda *a: attend(*a, **on))(q, k, v)
+    want = jax.jit(lambda *a: attend(*a, implementation="einsum"))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
 def test_attend_cache_runs_it_only_where_it_applies():
@@ -150,7 +225,9 @@ def test_the_engine_attends_through_it_and_speculative_equals_autoregressive(wei
     kw = dict(max_new_tokens=16, weight_dtype=weight_dtype)
     engine.clear_compiled_programs()
     ar = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, **kw)]
-    assert any(cpu_attention.TARGET in p.as_text() for p in engine.compiled_programs())
+    texts = [p.as_text() for p in engine.compiled_programs()]
+    assert any(cpu_attention.TARGET in t for t in texts)
+    assert any(cpu_attention.ROW_TARGET in t for t in texts)  # the prefill's
     sp = [r.token_ids for r in dspark_jax.generate(target, PROMPTS, drafter=drafter, **kw)]
     assert sp == ar and any(len(t) > 1 for t in ar)
 
