@@ -20,6 +20,12 @@
 // token's attention in a verify has the bits of the same token's attention in a decode step,
 // where the tokens before it are committed slots.
 //
+// A prefill's attention within its rows (no cache: each row's tokens attend causally to each
+// other, RowAttention) runs by the same chains: a block of a row's tokens lays out the keys and
+// values it can see as the cache holds them and scores them as the cache's slots, so the
+// [B, K, G, T, T] scores of the einsum are never stored, and a prompt token's attention has
+// the bits of the decode step that would have produced it.
+//
 // Built by dspark_jax/models/cpu_kernels.py with the host's C++ compiler (-O3 -mavx512f).
 
 #include <immintrin.h>
@@ -209,6 +215,7 @@ int ValueQueries(int64_t D) {
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> new_keys;  // the kv head's new keys, [D, T] as the cache holds keys
+  std::vector<float> values;    // a prefill block's values, [n, D] as the cache holds them
   std::vector<float> new_scores;
   std::vector<float> new_weights;
   std::vector<uint8_t> new_visible;
@@ -368,9 +375,9 @@ void RowItem(const Shapes& sh, int64_t b, int64_t kv, int64_t t0, int64_t t1, in
   if (t0 >= t1) return;
   const int64_t n = t1;  // the keys any query of the block may see
   scratch.new_keys.resize(D * n);
-  scratch.scores.resize(n * D);  // the values, slot-major
+  scratch.values.resize(n * D);
   float* laid = scratch.new_keys.data();
-  float* values = scratch.scores.data();
+  float* values = scratch.values.data();
   for (int64_t u = 0; u < n; ++u) {
     const float* key = k + ((b * T + u) * K + kv) * D;
     for (int64_t d = 0; d < D; ++d) laid[d * n + u] = key[d];
