@@ -23,8 +23,9 @@
 // A prefill's attention within its rows (no cache: each row's tokens attend causally to each
 // other, RowAttention) runs by the same chains: a block of a row's tokens lays out the keys and
 // values it can see as the cache holds them and scores them as the cache's slots, so the
-// [B, K, G, T, T] scores of the einsum are never stored, and a prompt token's attention has
-// the bits of the decode step that would have produced it.
+// [B, K, G, T, T] scores of the einsum are never stored, and (without a window) a prompt
+// token's attention has the bits of a decode step's attention for it over the same keys and
+// values.
 //
 // Built by dspark_jax/models/cpu_kernels.py with the host's C++ compiler (-O3 -mavx512f).
 
@@ -214,7 +215,8 @@ int ValueQueries(int64_t D) {
 // Per thread: the scores of an item's queries over their keys, and the new keys and values.
 struct Scratch {
   std::vector<float> scores;
-  std::vector<float> new_keys;  // the kv head's new keys, [D, T] as the cache holds keys
+  std::vector<float> new_keys;  // the kv head's new keys (a prefill block's visible ones), [D, T]
+                                // as the cache holds keys
   std::vector<float> values;    // a prefill block's values, [n, D] as the cache holds them
   std::vector<float> new_scores;
   std::vector<float> new_weights;
@@ -320,10 +322,10 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (kd[1] != sh.B || kd[3] != sh.D || vd[0] != L || vd[1] != sh.B || vd[2] != sh.K ||
       vd[3] != sh.N || vd[4] != sh.D || nd[0] != sh.B || nd[1] != sh.T || nd[2] != sh.K ||
       nd[3] != sh.D || md[0] != sh.B || md[1] != sh.T || md[2] != sh.T ||
-      lengths.element_count() != sh.B || sh.K == 0 || sh.H % sh.K != 0) {
+      lengths.element_count() != sh.B || sh.K == 0 || sh.H == 0 || sh.H % sh.K != 0) {
     return ffi::Error::InvalidArgument("cached_attention: inconsistent shapes");
   }
-  if (sh.D % 16 != 0 || sh.D > 16 * kMaxHeadVectors) {
+  if (sh.D == 0 || sh.D % 16 != 0 || sh.D > 16 * kMaxHeadVectors) {
     return ffi::Error::InvalidArgument("cached_attention: a head dim that is a multiple of 16 "
                                        "up to 256 expected");
   }
@@ -356,11 +358,11 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 // The queries of row b's tokens [t0, t1) in every query head of kv head kv over the row's own
 // tokens (a prefill: no cache): token t sees the tokens u <= t (and u > t - window where
-// window > 0) among the row's first len. The keys a block can see (u < min(t1, len)) are laid
-// out once as the cache holds them ([D, n] keys, [n, D] values) and read by the cache's
-// chains: a query's scores, softmax and weighted sum are those a decode step computes for the
-// same token with the tokens before it committed, bit for bit (the keys a query does not see
-// get weight 0, which adds +0 to each value's chain).
+// window > 0) among the row's first len. The keys the block's queries can see, [base, t1), are
+// laid out once as the cache holds them ([D, n] keys, [n, D] values) and read by the cache
+// kernel's chains; a key that a query does not see gets weight 0, which adds +0 to each value's
+// chain. Without a window (full-attention layers, whose decode steps Item attends) a query's
+// attention has the bits that Item gives the same token with the tokens before it committed.
 void RowItem(const Shapes& sh, int64_t b, int64_t kv, int64_t t0, int64_t t1, int64_t window,
              const float* q, const float* k, const float* v, const int32_t* lengths,
              float scale, float* out, Scratch& scratch) {
@@ -373,24 +375,28 @@ void RowItem(const Shapes& sh, int64_t b, int64_t kv, int64_t t0, int64_t t1, in
   }
   t1 = std::min(t1, len);
   if (t0 >= t1) return;
-  const int64_t n = t1;  // the keys any query of the block may see
+  const auto first_seen = [window](int64_t t) {  // the first token that token t sees
+    return window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+  };
+  const int64_t base = first_seen(t0), n = t1 - base;
   scratch.new_keys.resize(D * n);
   scratch.values.resize(n * D);
   float* laid = scratch.new_keys.data();
   float* values = scratch.values.data();
   for (int64_t u = 0; u < n; ++u) {
-    const float* key = k + ((b * T + u) * K + kv) * D;
+    const float* key = k + ((b * T + base + u) * K + kv) * D;
     for (int64_t d = 0; d < D; ++d) laid[d * n + u] = key[d];
-    std::copy_n(v + ((b * T + u) * K + kv) * D, D, values + u * D);
+    std::copy_n(v + ((b * T + base + u) * K + kv) * D, D, values + u * D);
   }
-  const int64_t tokens = std::max<int64_t>(1, kMaxQueries / groups);
-  scratch.new_scores.resize(tokens * groups * n);
-  scratch.queries.resize(tokens * groups);
-  scratch.score_rows.resize(tokens * groups);
-  scratch.out_rows.resize(tokens * groups);
-  scratch.denom.resize(tokens * groups);
-  for (int64_t s0 = t0; s0 < t1; s0 += tokens) {
-    const int64_t s1 = std::min(t1, s0 + tokens), nq = (s1 - s0) * groups;
+  const int64_t pass_tokens = std::max<int64_t>(1, kMaxQueries / groups);
+  const int64_t most = pass_tokens * groups;  // queries of one pass at most
+  scratch.new_scores.resize(most * n);
+  scratch.queries.resize(most);
+  scratch.score_rows.resize(most);
+  scratch.out_rows.resize(most);
+  scratch.denom.resize(most);
+  for (int64_t s0 = t0; s0 < t1; s0 += pass_tokens) {
+    const int64_t s1 = std::min(t1, s0 + pass_tokens), nq = (s1 - s0) * groups;
     for (int64_t i = 0; i < nq; ++i) {  // query i: token s0 + i / groups, head i % groups
       const int64_t t = s0 + i / groups, h = kv * groups + i % groups;
       scratch.queries[i] = q + ((b * T + t) * H + h) * D;
@@ -399,26 +405,21 @@ void RowItem(const Shapes& sh, int64_t b, int64_t kv, int64_t t0, int64_t t1, in
     }
     for (int64_t i = 0; i < nq; i += kMaxQueries) {
       const int qb = static_cast<int>(std::min<int64_t>(kMaxQueries, nq - i));
-      kScores[qb - 1](scratch.queries.data() + i, laid, D, n, s1, scale,
+      kScores[qb - 1](scratch.queries.data() + i, laid, D, n, s1 - base, scale,
                       scratch.score_rows.data() + i);
     }
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t t = s0 + i / groups;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0;
+    for (int64_t i = 0; i < nq; ++i) {  // query i's softmax over the keys [lo, t] it sees
+      const int64_t t = s0 + i / groups, lo = first_seen(t) - base, end = t + 1 - base;
       float* row = scratch.score_rows[i];
-      if (lo > 0) std::copy(row + lo, row + t + 1, row);  // a decode step's row starts at lo
-      scratch.denom[i] = Softmax(row, t + 1 - lo);
-      if (lo > 0) {
-        std::copy_backward(row, row + t + 1 - lo, row + t + 1);
-        std::fill_n(row, lo, 0.0f);
-      }
-      std::fill(row + t + 1, row + s1, 0.0f);
+      scratch.denom[i] = Softmax(row + lo, end - lo);
+      std::fill(row, row + lo, 0.0f);
+      std::fill(row + end, row + s1 - base, 0.0f);
     }
     const int step = ValueQueries(D);
     for (int64_t i = 0; i < nq; i += step) {
       const int m = static_cast<int>(std::min<int64_t>(step, nq - i));
-      kWeighted[m - 1][D / 16 - 1](scratch.score_rows.data() + i, s1, values, 0, nullptr,
-                                   nullptr, nullptr, scratch.denom.data() + i,
+      kWeighted[m - 1][D / 16 - 1](scratch.score_rows.data() + i, s1 - base, values, 0,
+                                   nullptr, nullptr, nullptr, scratch.denom.data() + i,
                                    scratch.out_rows.data() + i);
     }
   }
@@ -437,10 +438,10 @@ ffi::Error RowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const Shapes sh{qd[0], qd[1], qd[2], kd[2], qd[3], 0};
   if (kd[0] != sh.B || kd[1] != sh.T || kd[3] != sh.D || vd[0] != sh.B || vd[1] != sh.T ||
       vd[2] != sh.K || vd[3] != sh.D || lengths.element_count() != sh.B || sh.K == 0 ||
-      sh.H % sh.K != 0) {
+      sh.H == 0 || sh.H % sh.K != 0) {
     return ffi::Error::InvalidArgument("row_attention: inconsistent shapes");
   }
-  if (sh.D % 16 != 0 || sh.D > 16 * kMaxHeadVectors) {
+  if (sh.D == 0 || sh.D % 16 != 0 || sh.D > 16 * kMaxHeadVectors) {
     return ffi::Error::InvalidArgument("row_attention: a head dim that is a multiple of 16 up "
                                        "to 256 expected");
   }

@@ -15,9 +15,10 @@ other platforms (``lax.platform_dependent``). ``fused_attention.attend_cache`` c
 the "cpu" cache implementation, the default where it is available.
 
 :func:`attend_rows` is a prefill's causal attention within each row (no cache), by the same
-chains: the einsum materialises [B, K, G, T, T] score blocks and reads them five times (about
-70% of a 64-row prefill of 256-token prompts, BENCHMARKS.md); the kernel keeps a block of
-queries' scores in the cache, and a token's attention has the bits of a decode step's for it.
+chains: the einsum stores [B, K, G, T, T] score blocks and passes over them five times (about
+70% of a 64-row prefill of 256-token prompts, BENCHMARKS.md); the kernel scores a block of
+queries at a time in a scratch that stays in the CPU's caches, and without a window a token's
+attention has the bits of the cache kernel's for it over the same keys and values.
 ``fused_attention.attend_segments`` runs it as the "cpu" implementation.
 """
 
@@ -93,7 +94,7 @@ def attend(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Arra
                                       default=otherwise)
 
 
-def rows_apply(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+def applies_rows(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether :func:`attend_rows` takes these operands: all float32, a head dim that is a
     multiple of 16 up to :data:`MAX_HEAD_DIM`, no mesh of several devices, the kernel
     available."""
@@ -112,7 +113,7 @@ def _row_kernel(q, k, v, lengths, *, scale: float, window: int):
 def attend_rows(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, scale: float,
                 window: int | None, otherwise) -> jax.Array:
     """Causal attention of each row's first ``lengths[b]`` tokens among themselves (a
-    prefill; the kernel on CPU: check :func:`rows_apply` first).
+    prefill; the kernel on CPU: check :func:`applies_rows` first).
 
     Args:
       q: [B, T, H, D]; k, v: [B, T, K, D] with H a multiple of K.
@@ -125,5 +126,7 @@ def attend_rows(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
     Returns:
       [B, T, H, D] float32.
     """
+    if window is not None and window <= 0:
+        raise ValueError(f"a sliding window of {window} tokens: positive, or None for none")
     kernel = functools.partial(_row_kernel, scale=scale, window=window or 0)
     return jax.lax.platform_dependent(q, k, v, lengths, cpu=kernel, default=otherwise)

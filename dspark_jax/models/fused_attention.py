@@ -135,7 +135,7 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     if impl == "cudnn" and not cudnn_applies(q, q.shape[1]):
         impl = "einsum"
     if impl == "cpu":
-        if max_segments == 1 and cpu_attention.rows_apply(q, k, v):
+        if max_segments == 1 and cpu_attention.applies_rows(q, k, v):
             def einsum(q, k, v, lengths):
                 return attend(q, k, v, segment_mask(_ones_before(lengths, q.shape[1]), window),
                               scale=scale)
@@ -228,7 +228,8 @@ def attend_draft_blocks(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, ctx_ma
         the cuDNN route's arguments, checkable on a CPU); ``"einsum"`` and ``"splash"`` run
         ``layers.attend_blockwise``, which stores scores only against the context and the own
         block (splash takes only masks fixed at trace time, and this one depends on the
-        batch's anchors), as does ``"cpu"`` (a prefill's kernel). None: :func:`default_implementation`.
+        batch's anchors); so does ``"cpu"``, whose kernel only serves prefills. None:
+        :func:`default_implementation`.
 
     Returns:
       [B, T, H, D]; a token that sees no key gets zeros.

@@ -70,8 +70,8 @@ def ragged_forward(model: Decoder, tokens: jax.Array, positions: jax.Array, rows
         start must be at most ``view``: a token never sees a slot at or past its row's start,
         so the slots past the view are never read, and the attention costs O(view), not O(N).
       attention: a prefill's kernel (``fused_attention.IMPLEMENTATIONS``; None:
-        ``default_prefill_implementation``); splash needs a width that is a multiple of 128,
-        others use the einsum.
+        ``default_prefill_implementation``); splash needs a width that is a multiple of 128
+        (else the einsum).
       cache_attention: the kernel over the cache (``fused_attention.attend_cache``; None: the
         backend's).
 

@@ -7,9 +7,9 @@ features from the batches (``pipeline.make_pipeline(feature_dir=...)``) and only
 target's embedding and LM head.
 
 Each sample runs alone in a right-padded row (positions from 0, segment id 1, padding 0), which
-is how it runs as a segment of a packed training row (attended by the inference prefill's
-kernel where one runs: on an x86 CPU ``cpu_attention``'s, equal to the training forward's
-einsum to float32 rounding, 1.1-1.75x faster per prefill in float32). The target is causal, so the
+is how it runs as a segment of a packed training row; it is attended as an inference prefill
+is (on an x86 CPU by ``cpu_attention``'s row kernel, where a packed training row takes the
+einsum: the same features to float32 rounding). The target is causal, so the
 features of a sample truncated to any length are a prefix of the cached ones.
 
 Output folder, for data shard i (``shard_0000i.npz`` of T tokens) of the data folder:

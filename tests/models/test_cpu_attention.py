@@ -108,8 +108,9 @@ def _row_operands(rows, tokens, heads, kv_heads, head_dim, seed=0):
 
 # (rows, tokens, heads, kv heads, head dim, window): SmolLM2's heads over two 64-token blocks
 # and a partial one; 16 query heads per kv head (more than one scoring pass); 128-wide heads
-# with a window; a row shorter than a block.
-ROW_SHAPES = [(3, 150, 9, 3, 64, None), (2, 70, 16, 1, 16, None), (2, 40, 4, 2, 128, 7),
+# with a window (the later blocks lay out only the keys their window reaches); a row shorter
+# than a block.
+ROW_SHAPES = [(3, 150, 9, 3, 64, None), (2, 70, 16, 1, 16, None), (2, 140, 4, 2, 128, 37),
               (1, 5, 2, 2, 32, None)]
 
 
@@ -129,10 +130,11 @@ def test_a_prefill_is_the_einsums_causal_attention_within_each_row(shape):
         np.testing.assert_array_equal(got[1], 0.0)
 
 
-def test_a_prefilled_token_gets_the_bits_of_its_decode_step():
-    rows, tokens, heads, kv_heads, head_dim = 2, 70, 6, 2, 64
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 64), (16, 1, 128)], ids=str)
+def test_a_prefilled_token_gets_the_bits_of_its_decode_step(heads, kv_heads, head_dim):
+    rows, tokens = 2, 70
     q, k, v = _row_operands(rows, tokens, heads, kv_heads, head_dim, seed=5)
-    lengths = np.array([tokens, 41])
+    lengths = np.array([tokens + 9, 41])  # a length past the row is the whole row
     prefill = _row_kernel(q, k, v, lengths, 0.125)
     cache = dict(k_cache=np.zeros((1, rows, kv_heads, head_dim, tokens), np.float32),
                  v_cache=np.zeros((1, rows, kv_heads, tokens, head_dim), np.float32))
@@ -143,7 +145,19 @@ def test_a_prefilled_token_gets_the_bits_of_its_decode_step():
         got = _kernel(step, 0, np.full(rows, t, np.int32), np.ones((rows, 1, 1), bool), 0.125)
         for b in range(rows):
             if t < lengths[b]:
-                np.testing.assert_array_equal(got[b, 0], prefill[b, t])
+                np.testing.assert_array_equal(got[b, 0].view(np.uint32),
+                                              prefill[b, t].view(np.uint32))
+    np.testing.assert_array_equal(prefill[1, 41:], 0.0)
+
+
+def test_a_negative_length_is_an_empty_row_and_a_window_must_be_positive():
+    q, k, v = _row_operands(2, 20, 4, 2, 32)
+    got = _row_kernel(q, k, v, [-3, 20], 0.25)
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got[1], _row_kernel(q[1:], k[1:], v[1:], [20], 0.25)[0], atol=0)
+    with pytest.raises(ValueError, match="sliding window of 0 tokens"):
+        cpu_attention.attend_rows(q, k, v, np.array([20, 20]), scale=0.25, window=0,
+                                  otherwise=None)
 
 
 def _custom_calls(f, *args, target=cpu_attention.TARGET, **lower) -> int:
