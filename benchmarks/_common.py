@@ -49,6 +49,18 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def alternating_samples(calls: dict, repeats: int) -> dict[object, list[float]]:
+    """Seconds of each of ``calls`` (key -> a function of no arguments), timed in ``repeats``
+    rounds that call every function once, in an order that reverses every round (so drifts
+    of the machine's speed fall on all of them alike)."""
+    samples = {key: [] for key in calls}
+    order = list(calls)
+    for i in range(repeats):
+        for key in (order if i % 2 == 0 else order[::-1]):
+            samples[key].append(timed(calls[key]))
+    return samples
+
+
 def read_bandwidth() -> float:
     """Bytes per second of a jitted sum over 1 GiB of float32 (best of 5)."""
     import jax

@@ -74,7 +74,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, command_line, cpu_name, draft_step, prefill_step, timed, verify_step
+from _common import (ROOT, alternating_samples, command_line, cpu_name, draft_step, prefill_step,
+                     timed, verify_step)
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
 
@@ -221,11 +222,7 @@ def main():
         for _ in range(3):
             for fn in variants.values():
                 timed(fn)
-        samples = {name: [] for name in variants}
-        order = list(variants)
-        for i in range(args.repeats):
-            for name in (order if i % 2 == 0 else order[::-1]):
-                samples[name].append(timed(variants[name]))
+        samples = alternating_samples(variants, args.repeats)
         return dict(
             width=width, slots=slots, context=anchor_pos.tolist(), compile_s=compile_s,
             t_verify=statistics.median(samples["verify"]),

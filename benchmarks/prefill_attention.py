@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, command_line, cpu_name, timed, write_report
+from _common import ROOT, alternating_samples, command_line, cpu_name, write_report
 
 IMPLEMENTATIONS = ("einsum", "cpu")
 
@@ -98,11 +98,7 @@ def main():
             logits[key] = np.asarray(calls[key]())
             compile_s["/".join(map(str, key))] = time.perf_counter() - start
 
-    samples = {key: [] for key in calls}
-    order = list(calls)
-    for i in range(args.repeats):
-        for key in (order if i % 2 == 0 else order[::-1]):
-            samples[key].append(timed(calls[key]))
+    samples = alternating_samples(calls, args.repeats)
     ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
 
     report = dict(command=command_line(__file__), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),

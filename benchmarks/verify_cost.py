@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, command_line, cpu_name, draft_step, timed, verify_step
+from _common import ROOT, alternating_samples, command_line, cpu_name, draft_step, timed, verify_step
 
 
 def main():
@@ -136,11 +136,7 @@ def main():
         for _ in range(3):
             timed(call)
 
-    samples = {key: [] for key in calls}
-    order = list(calls)
-    for i in range(args.repeats):
-        for key in (order if i % 2 == 0 else order[::-1]):
-            samples[key].append(timed(calls[key]))
+    samples = alternating_samples(calls, args.repeats)
     ms = {key: 1e3 * statistics.median(v) for key, v in samples.items()}
 
     result = dict(command=command_line(__file__), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
