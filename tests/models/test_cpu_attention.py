@@ -34,8 +34,13 @@ def _operands(layers_, rows, tokens, heads, kv_heads, head_dim, slots, seed=0):
                 k_new=f(rows, tokens, kv_heads, head_dim), v_new=f(rows, tokens, kv_heads, head_dim))
 
 
+@functools.cache
+def _jitted(kernel, **static):
+    return jax.jit(functools.partial(kernel, **static))
+
+
 def _kernel(x, layer, lengths, new_visible, scale):
-    return np.asarray(jax.jit(lambda *a: cpu_attention._kernel(*a, scale=scale))(
+    return np.asarray(_jitted(cpu_attention._kernel, scale=scale)(
         x["q"], x["k_cache"], x["v_cache"], layer, lengths, x["k_new"], x["v_new"], new_visible))
 
 
@@ -96,8 +101,8 @@ def test_a_verified_token_gets_the_bits_of_its_decode_step():
 
 
 def _row_kernel(q, k, v, lengths, scale, window=None):
-    return np.asarray(jax.jit(lambda *a: cpu_attention._row_kernel(
-        *a, scale=scale, window=window or 0))(q, k, v, np.asarray(lengths, np.int32)))
+    return np.asarray(_jitted(cpu_attention._row_kernel, scale=scale, window=window or 0)(
+        q, k, v, np.asarray(lengths, np.int32)))
 
 
 def _row_operands(rows, tokens, heads, kv_heads, head_dim, seed=0):
