@@ -134,17 +134,17 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "cudnn" and not cudnn_applies(q, q.shape[1]):
         impl = "einsum"
+    def einsum(q, k, v, *_):
+        return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
+
     if impl == "cpu":
         if max_segments == 1 and cpu_attention.applies_rows(q, k, v):
-            def einsum(q, k, v, lengths):
-                return attend(q, k, v, segment_mask(_ones_before(lengths, q.shape[1]), window),
-                              scale=scale)
             lengths = jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
             return cpu_attention.attend_rows(q, k, v, lengths, scale=scale, window=window,
                                              otherwise=einsum)
         impl = "einsum"
     if impl == "einsum":
-        return attend(q, k, v, segment_mask(segment_ids, window), scale=scale)
+        return einsum(q, k, v)
     if impl in ("xla", "cudnn"):
         left = None if window is None else (window - 1, 0)
         if max_segments == 1:  # a row's tokens come first: its length is the whole mask
@@ -164,11 +164,6 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
         return _splash(q, k, v, segment_ids, scale, window)
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
-
-
-def _ones_before(lengths: jax.Array, width: int) -> jax.Array:
-    """int [B, width]: 1 at the columns < lengths[b], 0 after (one segment per row)."""
-    return (jnp.arange(width)[None] < lengths[:, None]).astype(jnp.int32)
 
 
 def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
