@@ -47,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, alternating_samples, command_line, cpu_name, draft_step, timed, verify_step
+from _common import (ROOT, alternating_samples, command_line, cpu_name, draft_step, timed,
+                     verify_step)
 
 
 def main():
