@@ -260,7 +260,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
     o = ragged_forward(target, a.tokens, a.cols, a.rows, a.cols, jnp.zeros_like(a.length),
                        no_history, width=width, tap_layer_ids=taps)
     grid_positions = jnp.broadcast_to(jnp.arange(width), (num_admitted, width))
-    t_cache = caches.target.write(o.new_k, o.new_v, grid_positions, a.slot)
+    t_cache = caches.target.write_prefix(o.new_k, o.new_v, a.slot)
 
     last = jnp.cumsum(a.length) - 1  # flat index of each prompt's last token
     k_first, k_draft, k_rounds = split_key(request_keys(a.seeds), 3)

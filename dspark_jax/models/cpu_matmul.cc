@@ -16,12 +16,18 @@
 // sixteen chains over k = l mod 16, then one fixed reduction): a row's result does not depend
 // on the other rows, so a decode step (M = 1) and a verify (M = 8) give a token the same bits.
 //
+// Each row's sum over x's last axis (RowSum, the norms' mean squares and the rotary's pairs)
+// is the same chain as a product by a column of ones, with a row per lane instead: a
+// prefill's thousands of rows by one column would leave 15 of 16 lanes and all but one thread
+// idle.
+//
 // Built by dspark_jax/models/cpu_kernels.py with the host's C++ compiler (-O3 -mavx512f).
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -232,6 +238,46 @@ ffi::Error LayerMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return Run(pool, x, *w, y, /*transposed=*/false);
 }
 
+// y[m] = x[m][0] + x[m][1] + ... + x[m][K - 1], added in order from +0 for rows [m0, m1) of
+// x [M, K]: the bits of the product by a column of ones above (a fused multiply-add by 1
+// rounds as an add), with 16 rows per vector, a lane per row (one gather per k).
+void SumRows(const float* x, int64_t K, int64_t m0, int64_t m1, float* y) {
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int32_t>(K)));
+  for (int64_t m = m0; m < m1; m += 16) {
+    const int64_t rows = std::min<int64_t>(16, m1 - m);
+    const __mmask16 mask = rows == 16 ? __mmask16(0xFFFF)
+                                      : static_cast<__mmask16>((1u << rows) - 1u);
+    const float* base = x + m * K;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      acc = _mm512_add_ps(
+          acc, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, lanes, base + k, 4));
+    }
+    _mm512_mask_storeu_ps(y + m, mask, acc);
+  }
+}
+
+constexpr int64_t kSumRowsPerItem = 256;  // rows per work item of RowSum
+
+ffi::Error RowSum(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  if (xd.size() < 1) return ffi::Error::InvalidArgument("row_sum: x [..., K] expected");
+  const int64_t K = xd.back();
+  if (15 * K > std::numeric_limits<int32_t>::max()) {
+    return ffi::Error::InvalidArgument("row_sum: rows of at most 143,165,576 elements expected");
+  }
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
+  const float* a = x.typed_data();
+  float* out = y->typed_data();
+  dspark::ParallelFor(pool, (M + kSumRowsPerItem - 1) / kSumRowsPerItem, 0, [=](int64_t i) {
+    SumRows(a, K, i * kSumRowsPerItem, std::min(M, (i + 1) * kSumRowsPerItem), out);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define DSPARK_BINDING                 \
@@ -243,6 +289,11 @@ ffi::Error LayerMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmul, SmallMatmul, DSPARK_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulT, SmallMatmulT, DSPARK_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRowSum, RowSum,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmul, LayerMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

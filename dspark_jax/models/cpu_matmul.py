@@ -39,6 +39,7 @@ from dspark_jax.models import cpu_kernels
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
+ROW_SUM_TARGET = "dspark_row_sum"
 LAYER_TARGETS = {jnp.dtype(jnp.float32): "dspark_layer_matmul",  # by dtype: layers[index]
                  jnp.dtype(jnp.bfloat16): "dspark_layer_matmul_amx"}
 AMX_SOURCE = Path(__file__).with_name("cpu_matmul_amx.cc")
@@ -59,6 +60,7 @@ def available() -> bool:
     return (cpu_kernels.usable("DSPARK_JAX_CPU_MATMUL", what)
             and cpu_kernels.register(SOURCE, {TARGETS[False]: "DsparkSmallMatmul",
                                               TARGETS[True]: "DsparkSmallMatmulT",
+                                              ROW_SUM_TARGET: "DsparkRowSum",
                                               LAYER_TARGETS[jnp.dtype(jnp.float32)]:
                                                   "DsparkLayerMatmul"}, what))
 
@@ -125,17 +127,32 @@ def _product_jvp(transpose_w, primals, tangents):
             _einsum(dx, w, transpose_w) + _einsum(x, dw, transpose_w))
 
 
+@jax.custom_jvp
+def _row_sum(x: jax.Array) -> jax.Array:
+    def kernel(x):
+        out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+        return jax.ffi.ffi_call(ROW_SUM_TARGET, out, vmap_method="sequential")(x)
+
+    return jax.lax.platform_dependent(x, cpu=kernel, default=lambda x: jnp.sum(x, axis=-1))
+
+
+@_row_sum.defjvp
+def _row_sum_jvp(primals, tangents):
+    return _row_sum(*primals), jnp.sum(tangents[0], axis=-1)  # linear, transposable
+
+
 def row_sum(x: jax.Array) -> jax.Array:
     """x [..., K] -> [...], each row's sum over its last axis. Where the kernel runs (float32,
     the CPU, no mesh of several devices: a custom call has no sharding rule), for any number
-    of rows, as x times a column of ones: one fused multiply-add chain per row in order, so a
-    row's sum has the same bits whatever the other rows (XLA:CPU's reduction sums a row in
-    another order when it has 8 rows than when it has one). ``jnp.sum`` otherwise, and on any
-    other platform the program is lowered for. Differentiable."""
+    of rows, each row added up in order from +0 (the bits of x times a column of ones by
+    :func:`matmul`'s kernel), 16 rows at a time: a row's sum has the same bits whatever the
+    other rows (XLA:CPU's reduction sums a row in another order when it has 8 rows than when
+    it has one). ``jnp.sum`` otherwise, and on any other platform the program is lowered for.
+    Differentiable."""
     if not (x.dtype == jnp.float32 and x.ndim and x.size and cpu_kernels.unsharded()
             and available()):
         return jnp.sum(x, axis=-1)
-    return _product(x, jnp.ones((x.shape[-1], 1), x.dtype), False)[..., 0]
+    return _row_sum(x)
 
 
 def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:

@@ -79,3 +79,24 @@ def test_cache_writes_land_in_the_head_major_layout(transposed_keys):
                                   written.k[0])
     np.testing.assert_array_equal(write_layer(cache.v[0], -new[0], positions, transposed_keys=False),
                                   written.v[0])
+
+
+@pytest.mark.parametrize("transposed_keys", [True, False])
+@pytest.mark.parametrize("width", [3, 9, 11], ids=["short", "every slot", "past the end"])
+def test_a_prefix_write_equals_writes_at_the_first_positions(transposed_keys, width):
+    """KVCache.write_prefix (an admission's prompts) is KVCache.write at positions 0 .. W-1 of
+    the rows given (rows beyond the cache and slots past its end dropped), over whatever the
+    rows held before."""
+    layers, slots, kv, d = 2, 9, 2, 4
+    rng = np.random.default_rng(width)
+    full = KVCache.zeros(layers, 4, slots, kv, d, jnp.float32, transposed_keys)
+    cache = full.replace(k=jnp.asarray(rng.standard_normal(full.k.shape), jnp.float32),
+                         v=jnp.asarray(rng.standard_normal(full.v.shape), jnp.float32))
+    new = jnp.asarray(rng.standard_normal((layers, 3, width, kv, d)), jnp.float32)
+    rows = jnp.asarray([2, 0, 7])  # row 7 is past the cache: dropped
+    positions = jnp.broadcast_to(jnp.arange(width), (3, width))
+    want = cache.write(new, -new, positions, rows)
+    got = jax.jit(lambda c, k, v, r: c.write_prefix(k, v, r))(cache, new, -new, rows)
+    np.testing.assert_array_equal(got.k, want.k)
+    np.testing.assert_array_equal(got.v, want.v)
+    np.testing.assert_array_equal(got.k[:, 1], cache.k[:, 1])  # a row not written is kept

@@ -3,6 +3,7 @@ rounding, gives each row the same bits whatever the other rows, stays out of pro
 not apply to, and differentiates."""
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +101,23 @@ def test_row_sums_do_not_depend_on_the_other_rows():
     np.testing.assert_allclose(grad, jnp.cos(x[:2].sum(-1))[:, None] * jnp.ones_like(x[:2]),
                                rtol=1e-5, atol=1e-5)
     assert sums(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16  # another dtype: jnp.sum
+
+
+# (leading dims, K): a row per lane with masked tails, several work items of 256 rows, the
+# rotary's pairs, single elements, a norm's rows
+@pytest.mark.parametrize("lead,k", [((1,), 576), ((17,), 5), ((3, 200), 33), ((2, 300, 3), 2),
+                                    ((40,), 1), ((16,), 576)])
+def test_a_row_sum_adds_the_row_in_order_as_the_product_by_ones_does(lead, k):
+    x = np.random.default_rng(k).standard_normal(lead + (k,)).astype(np.float32) * 1e3
+    x[..., ::7] *= 1e-6  # magnitudes far apart, so that another order would round otherwise
+    got = np.asarray(jax.jit(cpu_matmul.row_sum)(x))
+    want = np.add.accumulate(x, axis=-1, dtype=np.float32)[..., -1]  # in order, in float32
+    np.testing.assert_array_equal(got, want)
+    by_ones = jax.jit(lambda x: cpu_matmul.matmul(x, jnp.ones((k, 1), jnp.float32))[..., 0])
+    if math.prod(lead) <= cpu_matmul.MAX_ROWS:
+        np.testing.assert_array_equal(got, np.asarray(by_ones(x)))
+    signed = np.asarray(jax.jit(cpu_matmul.row_sum)(np.full((3, 2), -0.0, np.float32)))
+    assert not np.signbit(signed).any()  # from +0, as the fused multiply-add chain starts
 
 
 amx = pytest.mark.skipif(not cpu_matmul.amx_available(), reason="no AMX-BF16 here")
