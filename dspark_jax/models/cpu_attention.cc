@@ -36,6 +36,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_exp.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,24 +49,6 @@ constexpr int kMaxHeadVectors = 16;  // head dims up to 256
 
 __mmask16 Mask(int64_t n) {  // the first min(n, 16) lanes
   return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
-// exp(x) for x <= 0 lane by lane (Cephes' expf polynomial, about 1 ulp): x = n ln 2 + r,
-// exp(x) = 2^n exp(r) with |r| <= ln 2 / 2.
-__m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
 }
 
 struct Shapes {
@@ -123,7 +106,7 @@ float Softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = Mask(n - i);
     const __m512 w = _mm512_maskz_mov_ps(
-        mask, Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m)));
+        mask, dspark::Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m)));
     _mm512_mask_storeu_ps(s + i, mask, w);
     sum = _mm512_add_ps(sum, w);
   }

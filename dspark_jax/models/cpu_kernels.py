@@ -1,11 +1,13 @@
 """Building and registering this package's C++ CPU kernels (XLA FFI custom calls).
 
-Each kernel is one C++ source beside this module (``cpu_matmul.cc``, ``cpu_matmul_amx.cc``,
-``cpu_attention.cc``) that includes ``cpu_parallel.h``. :func:`register` compiles a source with
-the host's C++ compiler (``$CXX``, else ``c++``; ``-O3 -mavx512f`` and the source's own
-instruction-set flags) into :func:`storage.cache_dir` on first use (a few seconds, once per
-source, header, flags and jaxlib version; atomically, so concurrent processes never load a
-partial library), loads it and registers its handlers with XLA for the CPU platform.
+Each kernel is one C++ source (beside this module: ``cpu_matmul.cc``, ``cpu_matmul_amx.cc``,
+``cpu_attention.cc``; the training loss's ``training/cpu_vocab_loss.cc``) that includes the
+headers here (``cpu_parallel.h``: work items on XLA's threads; ``cpu_exp.h``: exp of 16 lanes).
+:func:`register` compiles a source with the host's C++ compiler (``$CXX``, else ``c++``;
+``-O3 -mavx512f`` and the source's own instruction-set flags) into :func:`storage.cache_dir` on
+first use (a few seconds, once per source, header, flags and jaxlib version; atomically, so
+concurrent processes never load a partial library), loads it and registers its handlers with
+XLA for the CPU platform.
 :func:`usable` says whether a kernel may run here at all: it is switched on (its environment
 variable is not "0"), JAX's default backend is the CPU (a TPU VM's host has AVX-512, but its
 programs run on the TPU) and the host has AVX-512; :func:`has_cpu_flags` and
@@ -30,7 +32,7 @@ import jax
 from dspark_jax import storage
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "cpu_parallel.h",)  # included by every kernel: part of each build's key
+HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_exp.h")  # included by the kernels: in each build's key
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,9 @@ loss together with that part's gradient with respect to the draft hidden states,
 sequential head's latents and W2 (:func:`vocab_loss`, a custom VJP: the "fused linear
 cross-entropy" of large-vocabulary training). Per chunk that is three vocabulary-sized matmuls
 (target logits, draft logits, the gradient's projection back) instead of the five of
-rematerialised autodiff, and [b, N, B, V] is never stored.
+rematerialised autodiff, and [b, N, B, V] is never stored. What lies between the matmuls (the
+softmaxes, CE, L1 and the logits' gradient) is one kernel on x86 CPUs
+(:mod:`dspark_jax.training.cpu_vocab_loss`), jnp elsewhere.
 
 Shapes: b rows, S row length, N anchors per row, B block size, P proposal slots
 (B - first_proposal_slot), d hidden size, V vocabulary.
@@ -35,6 +37,7 @@ import optax
 from dspark_jax.models.decoder import Decoder
 from dspark_jax.models.drafter import DSparkModel, TrainOutput
 from dspark_jax.models.heads import block_latents
+from dspark_jax.training import cpu_vocab_loss
 
 EPS = 1e-6
 DEFAULT_ANCHOR_CHUNK = 32
@@ -97,16 +100,8 @@ def _vocab_terms(softcap, head_axes, h, latent, head, w2, t_logits, labels, c_ce
         capped = z  # d z / d base = 1 - (z / cap)^2
     if latent.shape[-1]:
         z = z + jnp.einsum("nr,rv->nv", latent, w2, preferred_element_type=jnp.float32)
-    log_p = jax.nn.log_softmax(z, axis=-1)
-    p = jnp.exp(log_p)
-    ce = -jnp.take_along_axis(log_p, labels[:, None], axis=-1)[:, 0]
-    diff = p - jax.nn.softmax(t_logits.astype(jnp.float32), axis=-1)
-    l1 = jnp.sum(jnp.abs(diff), axis=-1)
-    # d ce / dz = p - onehot(label); d l1 / dz = p * (s - <p, s>) with s = sign(p - q).
-    sign = jnp.sign(diff)
-    onehot = jax.nn.one_hot(labels, z.shape[-1], dtype=jnp.float32)
-    g = (c_ce[:, None] * (p - onehot)
-         + c_l1[:, None] * p * (sign - jnp.sum(p * sign, axis=-1, keepdims=True)))
+    g, ce, l1 = cpu_vocab_loss.slot_terms_and_gradient(z, t_logits.astype(jnp.float32), labels,
+                                                       c_ce, c_l1)
     g_base = g if softcap is None else g * (1.0 - jnp.square(capped / softcap))
     dh = jnp.einsum(f"nv,{head_axes}->nd", g_base.astype(head.dtype), head,
                     preferred_element_type=jnp.float32)
