@@ -36,7 +36,7 @@
 #include <limits>
 #include <vector>
 
-#include "cpu_exp.h"
+#include "cpu_lanes.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,10 +46,6 @@ namespace {
 
 constexpr int kSlotVectors = 4;  // 16-slot vectors of scores per pass over the head dim
 constexpr int kMaxHeadVectors = 16;  // head dims up to 256
-
-__mmask16 Mask(int64_t n) {  // the first min(n, 16) lanes
-  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
 
 struct Shapes {
   int64_t B, T, H, K, D, N;
@@ -68,7 +64,7 @@ void CacheScores(const float* const* queries, const float* keys, int64_t D, int6
     __m512 acc[QB][SV];
 #pragma GCC unroll 4
     for (int j = 0; j < SV; ++j) {
-      mask[j] = Mask(std::max<int64_t>(0, len - s0 - 16 * j));
+      mask[j] = dspark::Mask(std::max<int64_t>(0, len - s0 - 16 * j));
 #pragma GCC unroll 12
       for (int q = 0; q < QB; ++q) acc[q][j] = _mm512_setzero_ps();
     }
@@ -99,12 +95,12 @@ void CacheScores(const float* const* queries, const float* keys, int64_t D, int6
 float Softmax(float* s, int64_t n) {
   __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
-    peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(peak, Mask(n - i), s + i));
+    peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(peak, dspark::Mask(n - i), s + i));
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = Mask(n - i);
+    const __mmask16 mask = dspark::Mask(n - i);
     const __m512 w = _mm512_maskz_mov_ps(
         mask, dspark::Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), m)));
     _mm512_mask_storeu_ps(s + i, mask, w);

@@ -2,7 +2,8 @@
 
 Each kernel is one C++ source (beside this module: ``cpu_matmul.cc``, ``cpu_matmul_amx.cc``,
 ``cpu_attention.cc``; the training loss's ``training/cpu_vocab_loss.cc``) that includes the
-headers here (``cpu_parallel.h``: work items on XLA's threads; ``cpu_exp.h``: exp of 16 lanes).
+headers here (``cpu_parallel.h``: work items on XLA's threads; ``cpu_lanes.h``: masks and exp
+of 16 lanes).
 :func:`register` compiles a source with the host's C++ compiler (``$CXX``, else ``c++``;
 ``-O3 -mavx512f`` and the source's own instruction-set flags) into :func:`storage.cache_dir` on
 first use (a few seconds, once per source, header, flags and jaxlib version; atomically, so
@@ -32,7 +33,7 @@ import jax
 from dspark_jax import storage
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_exp.h")  # included by the kernels: in each build's key
+HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_lanes.h")  # in each build's key
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
 log = logging.getLogger(__name__)
 

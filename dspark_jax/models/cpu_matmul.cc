@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cpu_lanes.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -246,9 +247,7 @@ void SumRows(const float* x, int64_t K, int64_t m0, int64_t m1, float* y) {
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(static_cast<int32_t>(K)));
   for (int64_t m = m0; m < m1; m += 16) {
-    const int64_t rows = std::min<int64_t>(16, m1 - m);
-    const __mmask16 mask = rows == 16 ? __mmask16(0xFFFF)
-                                      : static_cast<__mmask16>((1u << rows) - 1u);
+    const __mmask16 mask = dspark::Mask(m1 - m);
     const float* base = x + m * K;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {

@@ -27,17 +27,13 @@
 #include <limits>
 #include <vector>
 
-#include "cpu_exp.h"
+#include "cpu_lanes.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-__mmask16 Mask(int64_t n) {  // the first min(n, 16) lanes
-  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
 
 // One slot: z and t its rows of V logits; its CE and L1, and its gradient row g (V floats),
 // with `scratch` V floats.
@@ -46,7 +42,7 @@ void Slot(const float* z, const float* t, int32_t label, float c_ce, float c_l1,
   const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 zmax = lowest, tmax = lowest;
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = Mask(V - i);
+    const __mmask16 m = dspark::Mask(V - i);
     zmax = _mm512_max_ps(zmax, _mm512_mask_loadu_ps(lowest, m, z + i));
     tmax = _mm512_max_ps(tmax, _mm512_mask_loadu_ps(lowest, m, t + i));
   }
@@ -54,7 +50,7 @@ void Slot(const float* z, const float* t, int32_t label, float c_ce, float c_l1,
   const __m512 zm = _mm512_set1_ps(zpeak), tm = _mm512_set1_ps(tpeak);
   __m512 zsum = _mm512_setzero_ps(), tsum = _mm512_setzero_ps();
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = Mask(V - i);
+    const __mmask16 m = dspark::Mask(V - i);
     const __m512 ez =
         _mm512_maskz_mov_ps(m, dspark::Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, z + i), zm)));
     const __m512 et =
@@ -69,7 +65,7 @@ void Slot(const float* z, const float* t, int32_t label, float c_ce, float c_l1,
   const __m512 one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
   __m512 dist = _mm512_setzero_ps(), along = _mm512_setzero_ps();
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = Mask(V - i);
+    const __mmask16 m = dspark::Mask(V - i);
     const __m512 p = _mm512_div_ps(_mm512_maskz_loadu_ps(m, g + i), zd);
     const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(m, scratch + i), td);
     const __m512 d = _mm512_sub_ps(p, q);
@@ -85,7 +81,7 @@ void Slot(const float* z, const float* t, int32_t label, float c_ce, float c_l1,
   const float inner = _mm512_reduce_add_ps(along);
   const __m512 cc = _mm512_set1_ps(c_ce), cl = _mm512_set1_ps(c_l1), ps = _mm512_set1_ps(inner);
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = Mask(V - i);
+    const __mmask16 m = dspark::Mask(V - i);
     const __m512 p = _mm512_maskz_loadu_ps(m, g + i);
     const __m512 s = _mm512_maskz_loadu_ps(m, scratch + i);
     // c_ce p + c_l1 p (s - <p, s>); the label's -c_ce below

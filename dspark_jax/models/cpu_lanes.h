@@ -1,12 +1,19 @@
-// exp(x) of 16 float lanes on AVX-512, for the CPU kernels beside it (the attention's
-// softmax, the training loss's): one definition, so every kernel rounds an exp alike.
+// 16-float-lane helpers on AVX-512 for the CPU kernels (the attention's softmax, the training
+// loss's): one definition each, so every kernel masks and rounds an exp alike.
 
-#ifndef DSPARK_JAX_CPU_EXP_H_
-#define DSPARK_JAX_CPU_EXP_H_
+#ifndef DSPARK_JAX_CPU_LANES_H_
+#define DSPARK_JAX_CPU_LANES_H_
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace dspark {
+
+// The first min(n, 16) lanes, n >= 0.
+inline __mmask16 Mask(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
 
 // exp(x) for x <= 0 lane by lane (Cephes' expf polynomial, about 1 ulp): x = n ln 2 + r,
 // exp(x) = 2^n exp(r) with |r| <= ln 2 / 2.
@@ -28,4 +35,4 @@ inline __m512 Exp(__m512 x) {
 
 }  // namespace dspark
 
-#endif  // DSPARK_JAX_CPU_EXP_H_
+#endif  // DSPARK_JAX_CPU_LANES_H_
