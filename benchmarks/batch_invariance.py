@@ -6,7 +6,7 @@ same prompts greedily four ways in one process, autoregressive and speculative, 
 time and all together (``generate(max_batch=)``), and counts the prompts whose four outputs
 agree, for each weight dtype asked for:
 
-    python benchmarks/batch_invariance.py --drafter launch/smollm2_campaign/drafter \
+    python benchmarks/batch_invariance.py --drafter dspark-smollm2-135m-campaign \
         --weight-dtypes float32 bfloat16 --prompts 8 --max-new-tokens 96
 
 Prompts: first user turns (chat template) of gsm8k, humaneval and mt-bench, round-robin, from

@@ -45,7 +45,7 @@ def wait_for_health(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--drafter", default="dspark-smollm2-135m",
+    parser.add_argument("--drafter", default="dspark-smollm2-135m-campaign",
                         help="drafter name or folder; 'none' for autoregressive serving")
     parser.add_argument("--verify", default="production")
     parser.add_argument("--slots", type=int, default=16)

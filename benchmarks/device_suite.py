@@ -192,7 +192,7 @@ def speculative(args, target, cfg) -> dict:
                             for tau in (2.0, 3.0, 4.0, 5.0)})
     if args.smollm2:
         small = dspark_jax.load_target("smollm2-135m-instruct")
-        packaged = dspark_jax.load_drafter("dspark-smollm2-135m", small)
+        packaged = dspark_jax.load_drafter("dspark-smollm2-135m-campaign", small)
         prompts = [chat_ids(small.tokenizer, q) for q in (
             "What is 17 times 23? Think step by step.",
             "Write a Python function that checks whether a number is prime.")]

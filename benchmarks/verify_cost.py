@@ -7,7 +7,7 @@ step". Speculative decoding gains only when a verify costs little more than a st
 
     python benchmarks/verify_cost.py
     (options: --model smollm2-135m-instruct --context 512 --tokens 1 2 4 8 16
-     --weight-dtypes float32 bfloat16 --drafter launch/smollm2_campaign/drafter
+     --weight-dtypes float32 bfloat16 --drafter dspark-smollm2-135m-campaign
      --draft-weight-dtypes float32 bfloat16 --repeats 15
      --output benchmarks/results/verify_cost.json; --drafter none leaves the draft step out)
 

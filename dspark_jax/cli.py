@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="speculative vs autoregressive decoding on the embedded "
                           "default model with its packaged DSpark drafter: answers, tau, speedup")
     demo.add_argument("--model", default="smollm2-135m-instruct")
-    demo.add_argument("--drafter", default="dspark-smollm2-135m",
+    demo.add_argument("--drafter", default="dspark-smollm2-135m-campaign",
                       help="drafter folder or packaged drafter name")
     demo.add_argument("--prompt", action="append", help="a user message (repeat for several)")
     demo.add_argument("--max-new-tokens", type=int, default=128)

@@ -1,7 +1,8 @@
 """``dspark-jax demo``: the whole story on the embedded default model in one command.
 
-Loads SmolLM2-135M-Instruct and the DSpark drafter shipped with the package (trained on a CPU
-with ``configs/dspark_smollm2_135m.py``) and answers a few prompts greedily three ways in the
+Loads SmolLM2-135M-Instruct and the longest-trained DSpark drafter shipped with the package
+(``dspark-smollm2-135m-campaign``: ``configs/dspark_smollm2_135m.py`` trained on a CPU by
+``launch/smollm2_campaign``) and answers a few prompts greedily three ways in the
 same engine: autoregressively, speculatively verifying the full block, and speculatively with
 the DSpark production scheduler sizing each verify from this machine's steps/s profile
 (measured once and cached). It checks that all three emit the same tokens and prints the
@@ -66,7 +67,7 @@ def _decoded(result) -> Decoded:
     return Decoded(result.token_ids, s["wall_s"], s["rounds"], s["tau"], s["proposal_len"])
 
 
-def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm2-135m",
+def run_demo(model: str = "smollm2-135m-instruct", drafter: str = "dspark-smollm2-135m-campaign",
              prompts: Sequence[str] = DEFAULT_PROMPTS, *, max_new_tokens: int = 128,
              repeats: int = 2, sps=None, weight_dtype=None, draft_weight_dtype="bfloat16",
              progress: bool = True) -> list[DemoRow]:

@@ -199,8 +199,11 @@ def init_drafter(target: Target, config=None, *, seed: int = 0, dtype=None, **ov
 
 # Drafters shipped inside the package (dspark_jax/assets/<name>), loadable by name.
 PACKAGED_DRAFTERS = {
-    "dspark-smollm2-135m": "DSpark drafter for smollm2-135m-instruct trained on a CPU "
-                           "(configs/dspark_smollm2_135m.py; BENCHMARKS.md)",
+    "dspark-smollm2-135m-campaign": "DSpark drafter for smollm2-135m-instruct, the longest "
+                                    "trained (launch/smollm2_campaign; BENCHMARKS.md): the "
+                                    "demo's and the one to decode with",
+    "dspark-smollm2-135m": "DSpark drafter for smollm2-135m-instruct of the paper's comparison "
+                           "at one budget (configs/dspark_smollm2_135m.py; BENCHMARKS.md)",
     "dflash-smollm2-135m": "its DFlash baseline, same data and budget "
                            "(configs/dflash_smollm2_135m.py)",
 }

@@ -33,7 +33,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 # What cannot travel with the tree: the three drafters (65 MB) and the benchmark results.
 UNTRACKED=(dspark_jax/assets/dspark-smollm2-135m dspark_jax/assets/dflash-smollm2-135m
-           launch/smollm2_campaign/drafter benchmarks/results)
+           dspark_jax/assets/dspark-smollm2-135m-campaign benchmarks/results)
 WHEELS=(ml-collections==1.1.0 grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 gguf==0.19.0
         flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8)
 STAGE=/tmp/stage

@@ -6,10 +6,11 @@
 #
 # Rebuilds data/campaign from the committed answers when it is missing (`answers.py import`,
 # needs ../shared/data), then runs train.sh, which caches the target's features (resumable; about
-# 1.5 h of a 2-core CPU for the whole set) and trains from launch/smollm2_campaign/drafter with a
-# bfloat16 forward, peak learning rate 1.5e-4 (LR=... changes it: the restarts at 3e-4 up to step
-# 11305 cost a dip of 0.05-0.07 held-out tau each, 1.5e-4 one of 0.02, BENCHMARKS.md "A fifth
-# 1,500 steps") and the held-out curve every 100 steps. Rerun the same command after an
+# 50 minutes of a 2-core CPU for the whole set) and trains from the packaged drafter
+# dspark-smollm2-135m-campaign (dspark_jax/assets/) with a bfloat16 forward, peak learning rate
+# 1.5e-4 (LR=... changes it: the restarts at 3e-4 up to step 11305 cost a dip of 0.05-0.07
+# held-out tau each, 1.5e-4 one of 0.02, BENCHMARKS.md "A fifth 1,500 steps") and the held-out
+# curve every 100 steps. Rerun the same command after an
 # interruption: the features and the Orbax checkpoints resume where they stopped. Afterwards,
 # train.sh's header says how to commit the new drafter.
 set -euo pipefail

@@ -22,15 +22,17 @@
 #    (about 1.9x the step time, BENCHMARKS.md): on a fresh machine that trains for less than
 #    the cache's own cost (about an hour for the whole set on a 2-core CPU) it gets further.
 # 3. Trains CONFIG (default configs/dspark_smollm2_135m.py). START=warm (default) warm-starts
-#    from the committed drafter launch/smollm2_campaign/drafter when present, else takes the
-#    bigram-SVD Markov start (BENCHMARKS.md, recipe ablation); START=bigram always starts fresh
+#    from the packaged drafter dspark_jax/assets/dspark-smollm2-135m-campaign when present,
+#    else takes the bigram-SVD Markov start (BENCHMARKS.md, recipe ablation); START=bigram always starts fresh
 #    from it, START=reference from the reference initialisation (a drafter without a Markov
 #    head: DFlash). The held-out curve goes to WORKDIR/heldout.jsonl. A rerun with the same
 #    WORKDIR resumes from its Orbax checkpoints.
 # To stop early: kill it after a checkpoint (every 25 steps), then rerun with STEPS = that
 # checkpoint's step: it resumes, runs no step and exports WORKDIR/drafter.
 # Afterwards: `dspark-jax convert --drafter WORKDIR/drafter --to deepspec --dtype bfloat16
-# --compact --output launch/smollm2_campaign/drafter` and commit it, so the next machine goes on.
+# --compact --output /tmp/drafter`, copy its config.json and model.safetensors into
+# dspark_jax/assets/dspark-smollm2-135m-campaign (its draft_vocab.json stays) and commit them,
+# so the next machine goes on from there.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STEPS=${1:-500}
@@ -38,8 +40,8 @@ WORK=${2:-runs/campaign}
 CONFIG=${CONFIG:-configs/dspark_smollm2_135m.py}
 START=${START:-warm}
 case $START in
-  warm) if [ -f launch/smollm2_campaign/drafter/config.json ]; then
-          INIT=(--train.init_from=launch/smollm2_campaign/drafter)
+  warm) if [ -f dspark_jax/assets/dspark-smollm2-135m-campaign/config.json ]; then
+          INIT=(--train.init_from=dspark_jax/assets/dspark-smollm2-135m-campaign)
         else
           INIT=(--train.markov_init=bigram)
         fi ;;

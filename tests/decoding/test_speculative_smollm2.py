@@ -1,6 +1,6 @@
 """Greedy speculative decoding on the real SmolLM2-135M-Instruct equals greedy autoregressive
 decoding token for token, on prompts of the shared eval sets, with the trained drafter shipped
-in the package and with an untrained one of the same shape."""
+in the package (each of them) and with an untrained one of the same shape."""
 
 import json
 from pathlib import Path
@@ -26,11 +26,12 @@ def first_turns():
     return texts
 
 
-def test_packaged_trained_drafter(smollm2):
-    """The trained DSpark drafter shipped with the package: greedy output still equals
+@pytest.mark.parametrize("name", sorted(dspark_jax.drafter.PACKAGED_DRAFTERS))
+def test_packaged_trained_drafter(smollm2, name):
+    """Each trained drafter shipped with the package: greedy output still equals
     autoregressive output, and it is accepted more often than an untrained drafter."""
     prompts = first_turns()
-    trained = dspark_jax.load_drafter("dspark-smollm2-135m", smollm2)
+    trained = dspark_jax.load_drafter(name, smollm2)
     untrained = dspark_jax.init_drafter(smollm2, trained.config, seed=0)
     ar = dspark_jax.generate(smollm2, prompts, max_new_tokens=48)
     taus = {}
