@@ -135,18 +135,29 @@ def verify_step(target, tap_layer_ids: tuple[int, ...], cache_attention: str | N
 
 def prefill_step(target, tap_layer_ids: tuple[int, ...]):
     """Jitted ``(target_state, cache, tokens [b, W], lens [b]) -> (last logits [b, V], taps,
-    cache)``: the engines' prefill (the prompt through an empty cache, the LM head at each
-    row's last prompt token)."""
+    cache)``: the engine's admission (``decoding/round.py``): the [b, W] grid through
+    ``ragged_forward`` over an empty history (the prefill attention kernel where it applies),
+    its keys and values written into the first W slots of the cache's rows, the LM head at each
+    row's last prompt token."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from dspark_jax.models.kv_cache import KVCache
+    from dspark_jax.models.ragged import ragged_forward
+
     def prefill(state, cache, tokens, lens):
         model = nnx.merge(target.graphdef, state)
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        out = model(tokens, positions, cache=cache, tap_layer_ids=tap_layer_ids)
-        last = out.hidden[jnp.arange(tokens.shape[0]), lens - 1]
-        return model.logits(last), out.taps, out.cache
+        rows, width = tokens.shape
+        cols = jnp.tile(jnp.arange(width), rows)
+        row_of = jnp.repeat(jnp.arange(rows), width)
+        empty = KVCache.for_model(model.config, rows, 0, cache.dtype, cache.transposed_keys)
+        out = ragged_forward(model, tokens.reshape(-1), cols, row_of, cols,
+                             jnp.zeros(rows, jnp.int32), empty, width=width, dense=True,
+                             tap_layer_ids=tap_layer_ids)
+        cache = cache.write_prefix(out.new_k, out.new_v, jnp.arange(rows))
+        last = out.hidden.reshape(rows, width, -1)[jnp.arange(rows), lens - 1]
+        return model.logits(last), out.taps, cache
 
     return jax.jit(prefill, donate_argnums=(1,))
 
