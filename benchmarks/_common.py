@@ -133,28 +133,38 @@ def verify_step(target, tap_layer_ids: tuple[int, ...], cache_attention: str | N
     return jax.jit(verify, donate_argnums=(1,))
 
 
-def prefill_step(target, tap_layer_ids: tuple[int, ...]):
-    """Jitted ``(target_state, cache, tokens [b, W], lens [b]) -> (last logits [b, V], taps,
-    cache)``: the engine's admission (``decoding/round.py``): the [b, W] grid through
-    ``ragged_forward`` over an empty history (the prefill attention kernel where it applies),
-    its keys and values written into the first W slots of the cache's rows, the LM head at each
-    row's last prompt token."""
-    import jax
+def grid_prefill(model, tokens, cache_dtype, transposed_keys: bool,
+                 tap_layer_ids: tuple[int, ...] = (), attention: str | None = None):
+    """The engine's admission forward (``decoding/round.py``) of a dense grid of prompts: tokens
+    int [b, W] through ``ragged_forward`` over an empty history (``attention``: the prefill
+    kernel, None for the backend's). Returns its ``RaggedOutput`` (hidden [b * W, d], taps,
+    new_k / new_v [L, b, W, K, D])."""
     import jax.numpy as jnp
-    from flax import nnx
 
     from dspark_jax.models.kv_cache import KVCache
     from dspark_jax.models.ragged import ragged_forward
 
+    rows, width = tokens.shape
+    cols = jnp.tile(jnp.arange(width), rows)
+    row_of = jnp.repeat(jnp.arange(rows), width)
+    empty = KVCache.for_model(model.config, rows, 0, cache_dtype, transposed_keys)
+    return ragged_forward(model, tokens.reshape(-1), cols, row_of, cols, jnp.zeros(rows, jnp.int32),
+                          empty, width=width, dense=True, tap_layer_ids=tap_layer_ids,
+                          attention=attention)
+
+
+def prefill_step(target, tap_layer_ids: tuple[int, ...]):
+    """Jitted ``(target_state, cache, tokens [b, W], lens [b]) -> (last logits [b, V], taps,
+    cache)``: the engine's admission: :func:`grid_prefill`, its keys and values written into
+    the first W slots of the cache's rows, the LM head at each row's last prompt token."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
     def prefill(state, cache, tokens, lens):
         model = nnx.merge(target.graphdef, state)
         rows, width = tokens.shape
-        cols = jnp.tile(jnp.arange(width), rows)
-        row_of = jnp.repeat(jnp.arange(rows), width)
-        empty = KVCache.for_model(model.config, rows, 0, cache.dtype, cache.transposed_keys)
-        out = ragged_forward(model, tokens.reshape(-1), cols, row_of, cols,
-                             jnp.zeros(rows, jnp.int32), empty, width=width, dense=True,
-                             tap_layer_ids=tap_layer_ids)
+        out = grid_prefill(model, tokens, cache.dtype, cache.transposed_keys, tap_layer_ids)
         cache = cache.write_prefix(out.new_k, out.new_v, jnp.arange(rows))
         last = out.hidden.reshape(rows, width, -1)[jnp.arange(rows), lens - 1]
         return model.logits(last), out.taps, cache

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, alternating_samples, command_line, cpu_name, write_report
+from _common import ROOT, alternating_samples, command_line, cpu_name, grid_prefill, write_report
 
 IMPLEMENTATIONS = ("einsum", "cpu")
 
@@ -62,9 +62,7 @@ def main():
     sys.path.insert(0, str(ROOT))
     import dspark_jax
     from dspark_jax.models import cpu_attention
-    from dspark_jax.models.kv_cache import KVCache
     from dspark_jax.models.layer_weights import default_layout
-    from dspark_jax.models.ragged import ragged_forward
 
     if not cpu_attention.available():
         sys.exit("cpu_attention's kernel is not available here (x86 with AVX-512 and a C++ "
@@ -77,11 +75,8 @@ def main():
     def prefill_of(impl: str, rows: int, width: int):
         def prefill(state, tokens):  # tokens [rows * width], the dense grid
             model = nnx.merge(target.graphdef, state)
-            cols = jnp.tile(jnp.arange(width), rows)
-            row_of = jnp.repeat(jnp.arange(rows), width)
-            empty = KVCache.for_model(cfg, rows, 0, target.dtype, True)
-            out = ragged_forward(model, tokens, cols, row_of, cols, jnp.zeros(rows, jnp.int32),
-                                 empty, width=width, dense=True, attention=impl)
+            out = grid_prefill(model, tokens.reshape(rows, width), target.dtype, True,
+                               attention=impl)
             return model.logits(out.hidden.reshape(rows, width, -1)[:, -1])
 
         return jax.jit(prefill)
