@@ -59,7 +59,7 @@ def main():
                         help="tokens per verify (T = 1: the decode step)")
     parser.add_argument("--weight-dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
-    parser.add_argument("--drafter", default=str(ROOT / "launch" / "smollm2_campaign" / "drafter"),
+    parser.add_argument("--drafter", default="dspark-smollm2-135m-campaign",
                         help="drafter folder whose draft step is timed too ('none': leave it out)")
     parser.add_argument("--draft-weight-dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])

@@ -19,10 +19,13 @@ bfloat16 rows by bfloat16 weights with a float32 result (``layer_weights.with_dt
 weights) take ``cpu_matmul_amx.cc`` on CPUs with AMX (Sapphire Rapids and later, Linux): the
 tile unit multiplies up to 16 rows for the cost of reading the matrix once, where the AVX-512
 multiply-adds of a float32 product of 8 rows already bind a 2-core machine, and batches of up
-to 64 rows about as fast as XLA's bfloat16 dot, the LM head faster (:func:`amx_available`; off
-with ``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile unit's, in another order than
+to 64 rows about as fast as XLA's bfloat16 dot, the LM head faster (:func:`bfloat16_kernel`;
+off with ``DSPARK_JAX_CPU_AMX=0``). Its float32 sums are the tile unit's, in another order than
 XLA's bfloat16 dot: within bfloat16's tolerance, and a row's bits again do not depend on the
-other rows, so a token gets the same bits in a batch of any size up to 64 rows.
+other rows, so a token gets the same bits in a batch of any size up to 64 rows. On CPUs with
+AVX-512 BF16 but no AMX (AMD Zen 4 and later), where XLA:CPU's bfloat16 dot runs below its
+float32 one, they take ``cpu_matmul_bf16.cc`` instead (pair dot products, VDPBF16PS; off with
+``DSPARK_JAX_CPU_BF16=0``), with the same guarantees and its own sums.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import functools
 import math
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +44,37 @@ from dspark_jax.models import cpu_kernels
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
 ROW_SUM_TARGET = "dspark_row_sum"
-LAYER_TARGETS = {jnp.dtype(jnp.float32): "dspark_layer_matmul",  # by dtype: layers[index]
-                 jnp.dtype(jnp.bfloat16): "dspark_layer_matmul_amx"}
-AMX_SOURCE = Path(__file__).with_name("cpu_matmul_amx.cc")
-AMX_TARGETS = {False: "dspark_small_matmul_amx", True: "dspark_small_matmul_amx_t"}
-AMX_FLAGS = ("-mavx512bw", "-mamx-tile", "-mamx-bf16")
+LAYER_TARGET = "dspark_layer_matmul"  # layers[index]
+
+
+class Bfloat16Kernel(NamedTuple):
+    """A kernel for bfloat16 rows by bfloat16 weights with a float32 result: its source beside
+    this module, its FFI targets (x @ w, x @ w^T, x @ layers[index]) and their handler symbols,
+    the compiler flags and CPU flags it needs, and the environment variable that switches it
+    off."""
+    source: str
+    targets: tuple[str, str, str]
+    symbols: tuple[str, str, str]
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    switch: str
+
+
+AMX = Bfloat16Kernel(
+    "cpu_matmul_amx.cc",
+    ("dspark_small_matmul_amx", "dspark_small_matmul_amx_t", "dspark_layer_matmul_amx"),
+    ("DsparkSmallMatmulAmx", "DsparkSmallMatmulAmxT", "DsparkLayerMatmulAmx"),
+    ("-mavx512bw", "-mamx-tile", "-mamx-bf16"), ("avx512bw", "amx_tile", "amx_bf16"),
+    "DSPARK_JAX_CPU_AMX")
+AVX512_BF16 = Bfloat16Kernel(
+    "cpu_matmul_bf16.cc",
+    ("dspark_small_matmul_bf16", "dspark_small_matmul_bf16_t", "dspark_layer_matmul_bf16"),
+    ("DsparkSmallMatmulBf16", "DsparkSmallMatmulBf16T", "DsparkLayerMatmulBf16"),
+    ("-mavx512bw", "-mavx512bf16"), ("avx512bw", "avx512_bf16"), "DSPARK_JAX_CPU_BF16")
 MAX_ROWS = 32  # the most rows (tokens times batch rows) of a float32 product by the kernel
-# ... of a bfloat16 one: beyond, XLA's dot is as fast (benchmarks/amx_rows.py)
-AMX_MAX_ROWS = 64
-AMX_K, AMX_N = 32, 16  # the AMX kernel's contraction and output sizes are multiples of these
+# ... of a bfloat16 one: beyond, XLA's dot is as fast on AMX (benchmarks/bf16_rows.py)
+BF16_MAX_ROWS = 64
+BF16_K, BF16_N = 32, 16  # the bfloat16 kernels' contraction and output sizes are multiples of these
 
 
 @functools.cache
@@ -61,26 +87,30 @@ def available() -> bool:
             and cpu_kernels.register(SOURCE, {TARGETS[False]: "DsparkSmallMatmul",
                                               TARGETS[True]: "DsparkSmallMatmulT",
                                               ROW_SUM_TARGET: "DsparkRowSum",
-                                              LAYER_TARGETS[jnp.dtype(jnp.float32)]:
-                                                  "DsparkLayerMatmul"}, what))
+                                              LAYER_TARGET: "DsparkLayerMatmul"}, what))
 
 
 @functools.cache
-def amx_available() -> bool:
-    """Whether :func:`matmul` runs the AMX kernel for bfloat16 operands here (built and
-    registered on the first call): ``cpu_kernels.usable``, ``DSPARK_JAX_CPU_AMX`` not "0", a
-    CPU with AMX-BF16, the process allowed the tile state (``cpu_kernels.allow_amx``) and the
-    kernel built."""
+def supported(kernel: Bfloat16Kernel) -> bool:
+    """Whether the bfloat16 ``kernel`` can run here (built and registered on the first call):
+    ``cpu_kernels.usable``, the CPU flags it needs (for :data:`AMX` also the process allowed
+    the tile state, ``cpu_kernels.allow_amx``) and the kernel built."""
     what = "bfloat16 matmuls"
-    return (os.environ.get("DSPARK_JAX_CPU_AMX", "1") != "0"
-            and cpu_kernels.usable("DSPARK_JAX_CPU_MATMUL", what)
-            and cpu_kernels.has_cpu_flags("avx512bw", "amx_tile", "amx_bf16")
-            and cpu_kernels.allow_amx()
-            and cpu_kernels.register(AMX_SOURCE, {AMX_TARGETS[False]: "DsparkSmallMatmulAmx",
-                                                  AMX_TARGETS[True]: "DsparkSmallMatmulAmxT",
-                                                  LAYER_TARGETS[jnp.dtype(jnp.bfloat16)]:
-                                                      "DsparkLayerMatmulAmx"},
-                                     what, AMX_FLAGS))
+    return (cpu_kernels.usable("DSPARK_JAX_CPU_MATMUL", what)
+            and cpu_kernels.has_cpu_flags(*kernel.cpu_flags)
+            and (kernel is not AMX or cpu_kernels.allow_amx())
+            and cpu_kernels.register(Path(__file__).with_name(kernel.source),
+                                     dict(zip(kernel.targets, kernel.symbols)), what,
+                                     kernel.flags))
+
+
+@functools.cache
+def bfloat16_kernel() -> Bfloat16Kernel | None:
+    """The kernel that :func:`matmul` runs for bfloat16 operands here, or None: :data:`AMX`
+    where it is :func:`supported`, else :data:`AVX512_BF16` (a CPU with AVX-512 BF16 and no
+    AMX), each unless its switch (``DSPARK_JAX_CPU_AMX``, ``DSPARK_JAX_CPU_BF16``) is "0"."""
+    return next((kernel for kernel in (AMX, AVX512_BF16)
+                 if os.environ.get(kernel.switch, "1") != "0" and supported(kernel)), None)
 
 
 def _einsum(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
@@ -91,8 +121,9 @@ def _einsum(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
 def _kernel(x: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0] if transpose_w else w.shape[1],),
                                jnp.float32)
-    targets = TARGETS if x.dtype == jnp.float32 else AMX_TARGETS
-    return jax.ffi.ffi_call(targets[transpose_w], out, vmap_method="sequential")(x, w)
+    target = (TARGETS[transpose_w] if x.dtype == jnp.float32
+              else bfloat16_kernel().targets[transpose_w])
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
 
 
 def applies(x: jax.Array, w: jax.Array, preferred_element_type=None,
@@ -100,8 +131,8 @@ def applies(x: jax.Array, w: jax.Array, preferred_element_type=None,
     """Whether :func:`matmul` of x [..., K] by w (``transpose_w``: w [N, K]) runs a kernel on
     CPU: either both float32 with no other result dtype asked and at most :data:`MAX_ROWS`
     rows (:func:`available`), or both bfloat16 with a float32 result asked, at most
-    :data:`AMX_MAX_ROWS` rows, K a multiple of :data:`AMX_K` and N of :data:`AMX_N`
-    (:func:`amx_available`)."""
+    :data:`BF16_MAX_ROWS` rows, K a multiple of :data:`BF16_K` and N of :data:`BF16_N`
+    (:func:`bfloat16_kernel`)."""
     rows = math.prod(x.shape[:-1])
     if w.ndim != 2 or rows == 0:
         return False
@@ -109,9 +140,9 @@ def applies(x: jax.Array, w: jax.Array, preferred_element_type=None,
         return (rows <= MAX_ROWS and preferred_element_type in (None, jnp.float32)
                 and available())
     n = w.shape[0] if transpose_w else w.shape[1]
-    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and rows <= AMX_MAX_ROWS
-            and preferred_element_type == jnp.float32 and x.shape[-1] % AMX_K == 0
-            and n % AMX_N == 0 and amx_available())
+    return (x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and rows <= BF16_MAX_ROWS
+            and preferred_element_type == jnp.float32 and x.shape[-1] % BF16_K == 0
+            and n % BF16_N == 0 and bfloat16_kernel() is not None)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -174,7 +205,8 @@ def layer_matmul(x: jax.Array, layers: tuple[jax.Array, ...], index: jax.Array) 
     arrays, ``layer_weights.Unstacked``, are an inference layout)."""
     def kernel(x, index, *layers):
         out = jax.ShapeDtypeStruct(x.shape[:-1] + layers[0].shape[1:], jnp.float32)
-        return jax.ffi.ffi_call(LAYER_TARGETS[x.dtype], out, vmap_method="sequential")(
+        target = LAYER_TARGET if x.dtype == jnp.float32 else bfloat16_kernel().targets[2]
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
             x, index, *layers)
 
     def switch(x, index, *layers):

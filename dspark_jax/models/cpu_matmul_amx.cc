@@ -18,7 +18,7 @@
 // w[N, K] (a tied embedding table as LM head) is multiplied the other way round, y^T = w x^T:
 // 16 rows of w are a tile as they lie, x^T is packed once per call (four row groups of 16: four
 // result tiles), and each result tile [16 columns x 16 rows] is written out transposed. Beyond
-// 64 rows XLA's dot is as fast (benchmarks/amx_rows.py).
+// 64 rows XLA's dot is as fast (benchmarks/bf16_rows.py).
 //
 // Every result element is the same sequence of tile multiply-adds over k = 0, 32, 64, ... in
 // order whatever M, the path, the threads or the strips (the tile unit sums each element's 32

@@ -120,24 +120,33 @@ def test_a_row_sum_adds_the_row_in_order_as_the_product_by_ones_does(lead, k):
     assert not np.signbit(signed).any()  # from +0, as the fused multiply-add chain starts
 
 
-amx = pytest.mark.skipif(not cpu_matmul.amx_available(), reason="no AMX-BF16 here")
+@pytest.fixture(params=[cpu_matmul.AMX, cpu_matmul.AVX512_BF16], ids=["amx", "avx512_bf16"])
+def bf16_kernel(request, monkeypatch):
+    """Each bfloat16 kernel this host supports, made the one :func:`cpu_matmul.matmul` runs."""
+    kernel = request.param
+    if not cpu_matmul.supported(kernel):
+        pytest.skip(f"{kernel.source} does not run here")
+    monkeypatch.setattr(cpu_matmul, "bfloat16_kernel", lambda: kernel)
+    return kernel
+
 
 # (leading dims of x, K, N): streamed rows (1, 3, 8, 16), batches of 17 to 64 rows (one or
 # two row groups per 32 rows of w[K, N]; two to four row groups of w[N, K]'s result tiles),
-# a last strip of 16 columns, a single tile step (K = 32), SmolLM2 matrices.
-AMX_SHAPES = [((1,), 576, 1536), ((8,), 1536, 576), ((16,), 64, 48), ((17,), 64, 48),
-              ((2, 16), 96, 80), ((3,), 32, 16), ((40,), 64, 112), ((2, 25), 64, 32),
-              ((cpu_matmul.AMX_MAX_ROWS,), 96, 48)]
+# a last strip of 16 columns, a single tile step (K = 32), SmolLM2 matrices; AVX-512 BF16's
+# register tiles of up to 8 rows x 64 columns with remainders.
+BF16_SHAPES = [((1,), 576, 1536), ((8,), 1536, 576), ((16,), 64, 48), ((17,), 64, 48),
+               ((2, 16), 96, 80), ((3,), 32, 16), ((40,), 64, 112), ((2, 25), 64, 32),
+               ((5,), 64, 208), ((cpu_matmul.BF16_MAX_ROWS,), 96, 48)]
 
 
-@amx
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["w[K,N]", "w[N,K]"])
-@pytest.mark.parametrize("lead,k,n", AMX_SHAPES)
-def test_the_amx_product_of_bfloat16_rows_and_each_rows_bits_do_not_depend_on_the_others(
-        lead, k, n, transpose_w):
+@pytest.mark.parametrize("lead,k,n", BF16_SHAPES)
+def test_the_bfloat16_product_of_bfloat16_rows_and_each_rows_bits_do_not_depend_on_the_others(
+        bf16_kernel, lead, k, n, transpose_w):
     x, w = (jnp.asarray(a, jnp.bfloat16) for a in _operands(lead, k, n, transpose_w))
     assert cpu_matmul.applies(x, w, jnp.float32, transpose_w)
     product = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, transpose_w))
+    assert f"@{bf16_kernel.targets[transpose_w]}(" in product.lower(x, w).as_text()
     y = np.asarray(product(x, w))
     xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
     want = xf @ (wf.T if transpose_w else wf)  # the bfloat16 values' products are exact
@@ -148,15 +157,14 @@ def test_the_amx_product_of_bfloat16_rows_and_each_rows_bits_do_not_depend_on_th
     np.testing.assert_array_equal(alone, y.reshape(-1, n))
 
 
-@amx
-def test_the_amx_kernel_runs_only_where_it_applies():
+def test_the_bfloat16_kernel_runs_only_where_it_applies(bf16_kernel):
     def calls(x, w, **lower):
         text = jax.jit(cpu_matmul.matmul).trace(x, w).lower(**lower).as_text()
-        return text.count(f"@{cpu_matmul.AMX_TARGETS[False]}(")
+        return text.count(f"@{bf16_kernel.targets[0]}(")
 
     bf16 = functools.partial(jnp.ones, dtype=jnp.bfloat16)
-    assert calls(bf16((cpu_matmul.AMX_MAX_ROWS, 64)), bf16((64, 32))) == 1
-    assert calls(bf16((cpu_matmul.AMX_MAX_ROWS + 1, 64)), bf16((64, 32))) == 0  # XLA's dot
+    assert calls(bf16((cpu_matmul.BF16_MAX_ROWS, 64)), bf16((64, 32))) == 1
+    assert calls(bf16((cpu_matmul.BF16_MAX_ROWS + 1, 64)), bf16((64, 32))) == 0  # XLA's dot
     assert calls(bf16((2, 48)), bf16((48, 32))) == 0  # K not a multiple of 32
     assert calls(bf16((2, 64)), bf16((64, 40))) == 0  # N not a multiple of 16
     assert calls(bf16((2, 64)), bf16((64, 32)), lowering_platforms=("cuda",)) == 0
@@ -168,15 +176,22 @@ def test_the_amx_kernel_runs_only_where_it_applies():
         "mk,kn->mn", x, w, preferred_element_type=jnp.float32))))(x)
     np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want, np.float32),
                                rtol=2e-2, atol=2e-2)
-    env = dict(os.environ, DSPARK_JAX_CPU_AMX="0")
+
+
+@pytest.mark.skipif(cpu_matmul.bfloat16_kernel() is None, reason="no bfloat16 kernel here")
+def test_each_bfloat16_kernel_has_its_switch():
+    chosen = cpu_matmul.bfloat16_kernel()
+    env = dict(os.environ, **{chosen.switch: "0"})
     off = subprocess.run([sys.executable, "-c", "from dspark_jax.models import cpu_matmul; "
-                          "print(cpu_matmul.amx_available(), cpu_matmul.available())"],
+                          "k = cpu_matmul.bfloat16_kernel(); "
+                          "print(k and k.source, cpu_matmul.available())"],
                          env=env, capture_output=True, text=True, check=True)
-    assert off.stdout.split() == ["False", "True"]
+    other = cpu_matmul.AVX512_BF16 if chosen is cpu_matmul.AMX else None
+    expected = other.source if other and cpu_matmul.supported(other) else "None"
+    assert off.stdout.split() == [expected, "True"]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=amx)])
-def test_a_layer_matmul_reads_the_indexed_layer_in_place(dtype):
+def _reads_the_indexed_layer_in_place(dtype, target):
     rng = np.random.default_rng(5)
     layers = tuple(jnp.asarray(rng.standard_normal((64, 48)), dtype) for _ in range(5))
     x = jnp.asarray(rng.standard_normal((3, 64)), dtype)
@@ -187,4 +202,12 @@ def test_a_layer_matmul_reads_the_indexed_layer_in_place(dtype):
         product(x, len(layers)).block_until_ready()
     for platform, calls in (("cpu", 1), ("cuda", 0)):  # elsewhere: a switch over einsums
         text = product.trace(x, 0).lower(lowering_platforms=(platform,)).as_text()
-        assert text.count(f"@{cpu_matmul.LAYER_TARGETS[jnp.dtype(dtype)]}(") == calls
+        assert text.count(f"@{target}(") == calls
+
+
+def test_a_layer_matmul_reads_the_indexed_layer_in_place():
+    _reads_the_indexed_layer_in_place(jnp.float32, cpu_matmul.LAYER_TARGET)
+
+
+def test_a_bfloat16_layer_matmul_reads_the_indexed_layer_in_place(bf16_kernel):
+    _reads_the_indexed_layer_in_place(jnp.bfloat16, bf16_kernel.targets[2])
