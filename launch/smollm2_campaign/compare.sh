@@ -7,8 +7,10 @@
 #
 # DSpark takes the campaign's recipe (bigram-SVD Markov start), DFlash the same backbone
 # without the head (configs/dflash_smollm2_135m.py). Each run resumes from its own checkpoints,
-# so rerunning the script after an interruption continues where it stopped. DRAFTERS=dspark or
-# DRAFTERS=dflash trains only that one (DFlash reads DSpark's data snapshot: DSpark first).
+# so rerunning the script after an interruption continues where it stopped. On a new machine it
+# first rebuilds data/campaign from the committed answers (`answers.py import`, needs
+# ../shared/data). DRAFTERS=dspark or DRAFTERS=dflash trains only that one (DFlash reads
+# DSpark's data snapshot: DSpark first).
 # Afterwards:
 #   python benchmarks/learning_curve.py --workdir WORKDIR/dspark --label DSpark --offset 0 \
 #       --workdir WORKDIR/dflash --label DFlash --offset 0 --output benchmarks/results/compare_curve.json
@@ -17,6 +19,7 @@ cd "$(dirname "$0")/../.."
 STEPS=${1:-300}
 WORK=${2:-runs/compare}
 DRAFTERS=${DRAFTERS:-dspark dflash}
+[ -f data/campaign/chat/manifest.json ] || python launch/smollm2_campaign/answers.py import
 if [[ " $DRAFTERS " == *" dspark "* ]]; then
   FEATURES=${FEATURES:-online} START=bigram CONFIG=configs/dspark_smollm2_135m.py \
     bash launch/smollm2_campaign/train.sh "$STEPS" "$WORK/dspark"
