@@ -12,8 +12,9 @@
 #   ARGS="--train.attention=einsum" bash ...                      # any other config overrides
 #   DTYPE=bfloat16 bash launch/smollm2_campaign/train.sh ...      # the step's forward dtype
 #       (train.compute_dtype; float32 on a CPU if unset): bfloat16 where the CPU has AMX
-#       (`grep amx_bf16 /proc/cpuinfo`), 1.7x faster steps there (BENCHMARKS.md); the feature
-#       caches are extracted in float32 and stored in bfloat16 either way
+#       (`grep amx_bf16 /proc/cpuinfo`), 1.7x faster cached steps there, or AVX-512 BF16 (the
+#       AMD EPYC kind: 1.36x; BENCHMARKS.md); the feature caches are extracted in float32 and
+#       stored in bfloat16 either way
 #
 # 1. Freezes data/campaign (from `answers.py import` and `launch/regenerate_smollm2.sh`) into
 #    WORKDIR/data once (hard links: the data job may keep writing to data/campaign).
