@@ -37,7 +37,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kKBlock = 16;  // rows of w per block: that many sequential memory streams
+// Rows of w per block: that many sequential memory streams. On the AMD EPYC kind a verify of 8
+// / 16 tokens took 25-28 / 34-41 ms with 64 (or 128) against 33-37 / 46-48 ms with 16, and a
+// decode step the same (benchmarks/verify_cost.py); the block does not change any result.
+constexpr int64_t kKBlock = 64;
 constexpr int kRows = 8;     // rows of x per register tile
 constexpr int kVectors = 4;  // 16-float vectors of columns per register tile (64 columns) ...
 // ... for up to kWideRows rows; taller tiles take 3 (8 x 3 accumulators + 3 w vectors + one
