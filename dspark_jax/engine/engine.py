@@ -43,6 +43,7 @@ from dspark_jax.decoding import round as round_lib
 from dspark_jax.decoding.sampling import GREEDY_TEMPERATURE, SamplingParams
 from dspark_jax.engine import step as step_lib
 from dspark_jax.engine.stats import row_counters, stats_from_counters
+from dspark_jax.models import cpu_kernels
 from dspark_jax.models import layer_weights as layer_weights_lib
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.prompts import prompt_bucket
@@ -669,7 +670,9 @@ class Engine:
         Greedy rounds skip the probability rows and the random draws, and truncated sampling
         sorts the vocabulary, so the sampling mode is part of the key. ``program`` hashes the
         profiled program's StableHLO, so a change to the round's code, or to anything it is
-        traced with, measures a new profile; ``jax`` covers the compiler."""
+        traced with, measures a new profile; ``kernels`` the CPU kernels' builds
+        (``cpu_kernels.registered``, which the StableHLO names only by target), ``jax`` the
+        compiler."""
         if self.drafter is None:
             raise ValueError("a steps/s profile needs a drafter (it sizes speculative verification)")
         cfg, dcfg = self.target.config, self.drafter.config
@@ -684,7 +687,8 @@ class Engine:
                     sampling=sampling_mode(temperature, top_p, top_k),
                     drafter=dict(layers=dcfg.num_layers, block_size=dcfg.block_size,
                                  head=dcfg.head, markov_rank=dcfg.markov_rank),
-                    program=program, jax=jax.__version__)
+                    program=program, kernels=list(cpu_kernels.registered()),
+                    jax=jax.__version__)
 
     def profile_sps(self, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     repeats: int = 10, warmup: int = 3, refresh: bool = False,

@@ -36,6 +36,7 @@ HERE = Path(__file__).parent
 HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_lanes.h")  # in each build's key
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
 log = logging.getLogger(__name__)
+_REGISTERED: dict[str, str] = {}  # source file name -> its loaded library's name (with the build key)
 
 
 def has_cpu_flags(*names: str) -> bool:
@@ -124,11 +125,21 @@ def register(source: Path, handlers: dict[str, str], what: str,
     handler symbols as FFI targets (``handlers``: target name -> symbol) on the CPU; False,
     with the reason logged, where that fails (``what`` names the work that then stays XLA's)."""
     try:
-        library = ctypes.cdll.LoadLibrary(str(build(source, flags)))
+        path = build(source, flags)
+        library = ctypes.cdll.LoadLibrary(str(path))
     except (OSError, RuntimeError) as e:
         log.warning("%s: the kernel is unavailable (%s); %s stay XLA's", source.name, e, what)
         return False
     for target, symbol in handlers.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
+    _REGISTERED[source.name] = path.name
     return True
+
+
+def registered() -> tuple[str, ...]:
+    """The kernel libraries registered in this process so far, each named with its build key
+    (the hash of its source, headers, flags and jaxlib): a program's StableHLO names a custom
+    call only by its target, so what measures a program's speed (a steps/s profile's cache
+    key) adds these."""
+    return tuple(sorted(_REGISTERED.values()))

@@ -14,6 +14,7 @@ from dspark_jax.scheduling import sps
 from dspark_jax.serving import bench, loadgen
 from dspark_jax.engine import engine as engine_lib
 from dspark_jax.engine import step as step_lib
+from dspark_jax.models import cpu_kernels
 from dspark_jax.target import init_target
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=48, hidden_size=32, intermediate_size=64,
@@ -101,6 +102,12 @@ def test_sps_cache_follows_the_step_program(tmp_path, monkeypatch):
     assert {k: v for k, v in second.key.items() if k != "program"} == \
         {k: v for k, v in first.key.items() if k != "program"}
     assert len(list((tmp_path / "sps").glob("*.json"))) == 2
+    assert second.key["kernels"] == list(cpu_kernels.registered())
+    # A CPU kernel rebuilt from another source: the StableHLO names only its target, the key
+    # its build.
+    monkeypatch.setitem(cpu_kernels._REGISTERED, "cpu_matmul.cc", "cpu_matmul-0123456789abcdef.so")
+    third = profile()
+    assert third.key["kernels"] != second.key["kernels"] and third.created > second.created
 
 
 def test_policy_specs():
