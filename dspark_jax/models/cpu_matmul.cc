@@ -5,7 +5,7 @@
 // speculative verify of 8 tokens costs about two decode steps where reading the weights once
 // (what one row costs) would allow one (BENCHMARKS.md, issue 19). This kernel reads each
 // weight matrix once for all rows: the threads of XLA's intra-op pool take column ranges, and
-// each walks the matrix in blocks of kKBlock rows (kKBlock streams through memory), keeping a
+// each walks the matrix in blocks of rows (that many streams through memory), keeping a
 // tile of up to kRows x 64 results in AVX-512 registers per block (8 rows: 8 x 48, one tile,
 // so a verify of 8 tokens reads each block once into registers). A matrix held transposed,
 // w[N, K] (a tied embedding table as an LM head), is read row by row instead: 16 lanes of
@@ -37,9 +37,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Rows of w per block: that many sequential memory streams. On the AMD EPYC kind a verify of 8
-// / 16 tokens took 25-28 / 34-41 ms with 64 (or 128) against 33-37 / 46-48 ms with 16, and a
-// decode step the same (benchmarks/verify_cost.py); the block does not change any result.
+// Rows of w per block: that many sequential memory streams, by the rows of x. On the AMD EPYC
+// kind a verify of 8 / 16 tokens took 25-28 / 34-41 ms with blocks of 64 (or 128) against
+// 33-37 / 46-48 ms with 16, while one row decoded 14-20% faster with 16 than with 32 or 64
+// (benchmarks/verify_cost.py, bench_ar_generate.py). The block does not change any result.
+constexpr int64_t kKBlockOneRow = 16;
 constexpr int64_t kKBlock = 64;
 constexpr int kRows = 8;     // rows of x per register tile
 constexpr int kVectors = 4;  // 16-float vectors of columns per register tile (64 columns) ...
@@ -57,7 +59,7 @@ constexpr int VectorsFor(int64_t M) {
 // column 0 (w, y already offset). The last vector is masked by `tail` (N not a multiple of 16).
 template <int MR, int NV>
 void Tile(const float* x, int64_t K, const float* w, int64_t N, float* y, int64_t k0,
-          int64_t k1, __mmask16 tail) {
+          int64_t k1, int64_t block, __mmask16 tail) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
@@ -75,7 +77,7 @@ void Tile(const float* x, int64_t K, const float* w, int64_t N, float* y, int64_
       wv[j] = _mm512_maskz_loadu_ps(mask, w + k * N + 16 * j);
       // The same columns of the next block's rows, into L2 (a prefetch past w's end is
       // harmless): the hardware prefetchers alone left one core at about 8 GB/s.
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kKBlock) * N + 16 * j), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + block) * N + 16 * j), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -95,7 +97,7 @@ void Tile(const float* x, int64_t K, const float* w, int64_t N, float* y, int64_
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                        __mmask16);
+                        int64_t, __mmask16);
 
 // Tiles by rows and vectors; rows above kWideRows have no 4-vector tile (it would spill): the
 // slot is null, and its untaken branch names Tile<MR, VectorsFor(MR)> = Tile<MR, 3>, so that
@@ -111,8 +113,9 @@ constexpr const TileFn* kTiles[kRows] = {kTilesOf<1>, kTilesOf<2>, kTilesOf<3>, 
 void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
              int64_t c0, int64_t c1) {
   const int64_t step = 16 * VectorsFor(M);
-  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
-    const int64_t k1 = std::min(K, k0 + kKBlock);
+  const int64_t block = M == 1 ? kKBlockOneRow : kKBlock;
+  for (int64_t k0 = 0; k0 < K; k0 += block) {
+    const int64_t k1 = std::min(K, k0 + block);
     for (int64_t n = c0; n < c1; n += step) {
       const int64_t width = std::min<int64_t>(c1 - n, step);
       const int nv = static_cast<int>((width + 15) / 16);
@@ -120,7 +123,7 @@ void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int
       const __mmask16 tail = static_cast<__mmask16>((1u << rest) - 1u);
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-        kTiles[mr - 1][nv - 1](x + m0 * K, K, w + n, N, y + m0 * N + n, k0, k1, tail);
+        kTiles[mr - 1][nv - 1](x + m0 * K, K, w + n, N, y + m0 * N + n, k0, k1, block, tail);
       }
     }
   }
