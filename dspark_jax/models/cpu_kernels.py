@@ -1,9 +1,9 @@
 """Building and registering this package's C++ CPU kernels (XLA FFI custom calls).
 
 Each kernel is one C++ source (beside this module: ``cpu_matmul.cc``, ``cpu_matmul_amx.cc``,
-``cpu_attention.cc``; the training loss's ``training/cpu_vocab_loss.cc``) that includes the
-headers here (``cpu_parallel.h``: work items on XLA's threads; ``cpu_lanes.h``: masks and exp
-of 16 lanes).
+``cpu_matmul_bf16.cc``, ``cpu_attention.cc``; the training loss's ``training/cpu_vocab_loss.cc``)
+that includes the headers here (``cpu_parallel.h``: work items on XLA's threads; ``cpu_lanes.h``:
+masks and exp of 16 lanes; ``cpu_matmul_handlers.h``: the matmul kernels' FFI handlers).
 :func:`register` compiles a source with the host's C++ compiler (``$CXX``, else ``c++``;
 ``-O3 -mavx512f`` and the source's own instruction-set flags) into :func:`storage.cache_dir` on
 first use (a few seconds, once per source, header, flags and jaxlib version; atomically, so
@@ -33,10 +33,11 @@ import jax
 from dspark_jax import storage
 
 HERE = Path(__file__).parent
-HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_lanes.h")  # in each build's key
+HEADERS = (HERE / "cpu_parallel.h", HERE / "cpu_lanes.h",  # in each build's key
+           HERE / "cpu_matmul_handlers.h")
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared")
 log = logging.getLogger(__name__)
-_REGISTERED: dict[str, str] = {}  # source file name -> its loaded library's name (with the build key)
+_REGISTERED: dict[str, str] = {}  # source file name -> its library's file name (with the build key)
 
 
 def has_cpu_flags(*names: str) -> bool:

@@ -30,6 +30,7 @@
 #include <limits>
 
 #include "cpu_lanes.h"
+#include "cpu_matmul_handlers.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -221,30 +222,6 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*transposed=*/false);
-}
-
-ffi::Error SmallMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*transposed=*/true);
-}
-
-// The matmul of one layer inside a scan over layers: x @ layers[index], with every layer's
-// [K, N] array an operand and the layer's index a traced one, so the chosen matrix is read in
-// place with no conditional of XLA's around the call (a switch over 30 layers cost about 5 us
-// per matmul).
-ffi::Error LayerMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                       ffi::Buffer<ffi::S32> index, ffi::RemainingArgs layers,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  auto w = layers.get<ffi::Buffer<ffi::F32>>(static_cast<size_t>(index.typed_data()[0]));
-  if (!w.has_value()) {
-    return ffi::Error::InvalidArgument("layer_matmul: the layer index is out of range");
-  }
-  return Run(pool, x, *w, y, /*transposed=*/false);
-}
-
 // y[m] = x[m][0] + x[m][1] + ... + x[m][K - 1], added in order from +0 for rows [m0, m1) of
 // x [M, K]: the bits of the product by a column of ones above (a fused multiply-add by 1
 // rounds as an add), with 16 rows per vector, a lane per row (one gather per k).
@@ -285,24 +262,9 @@ ffi::Error RowSum(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuff
 
 }  // namespace
 
-#define DSPARK_BINDING                 \
-  ffi::Ffi::Bind()                     \
-      .Ctx<ffi::ThreadPool>()          \
-      .Arg<ffi::Buffer<ffi::F32>>()    \
-      .Arg<ffi::Buffer<ffi::F32>>()    \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmul, SmallMatmul, DSPARK_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulT, SmallMatmulT, DSPARK_BINDING);
+DSPARK_MATMUL_HANDLERS(, ffi::F32, Run);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkRowSum, RowSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmul, LayerMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // the layer's index
-                                  .RemainingArgs()                // every layer's matrix
                                   .Ret<ffi::Buffer<ffi::F32>>());

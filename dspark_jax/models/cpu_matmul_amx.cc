@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_matmul_handlers.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -333,45 +334,6 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error SmallMatmulAmx(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                          ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*transposed=*/false);
-}
-
-ffi::Error SmallMatmulAmxT(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                           ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*transposed=*/true);
-}
-
-// The matmul of one layer inside a scan over layers: x @ layers[index], with every layer's
-// [K, N] array an operand and the layer's index a traced one, so the chosen matrix is read in
-// place with no conditional of XLA's around the call (a switch over 30 layers cost about 5 us
-// per matmul).
-ffi::Error LayerMatmulAmx(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                          ffi::Buffer<ffi::S32> index, ffi::RemainingArgs layers,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  auto w = layers.get<ffi::Buffer<ffi::BF16>>(static_cast<size_t>(index.typed_data()[0]));
-  if (!w.has_value()) {
-    return ffi::Error::InvalidArgument("layer_matmul_amx: the layer index is out of range");
-  }
-  return Run(pool, x, *w, y, /*transposed=*/false);
-}
-
 }  // namespace
 
-#define DSPARK_BINDING                 \
-  ffi::Ffi::Bind()                     \
-      .Ctx<ffi::ThreadPool>()          \
-      .Arg<ffi::Buffer<ffi::BF16>>()   \
-      .Arg<ffi::Buffer<ffi::BF16>>()   \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulAmx, SmallMatmulAmx, DSPARK_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulAmxT, SmallMatmulAmxT, DSPARK_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmulAmx, LayerMatmulAmx,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // the layer's index
-                                  .RemainingArgs()                // every layer's matrix
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+DSPARK_MATMUL_HANDLERS(Amx, ffi::BF16, Run);

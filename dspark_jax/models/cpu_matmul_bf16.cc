@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cpu_matmul_handlers.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -223,43 +224,6 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error SmallMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                           ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*transposed=*/false);
-}
-
-ffi::Error SmallMatmulBf16T(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                            ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*transposed=*/true);
-}
-
-// The matmul of one layer inside a scan over layers: x @ layers[index], with every layer's
-// [K, N] array an operand and the layer's index a traced one (read in place, no conditional).
-ffi::Error LayerMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                           ffi::Buffer<ffi::S32> index, ffi::RemainingArgs layers,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  auto w = layers.get<ffi::Buffer<ffi::BF16>>(static_cast<size_t>(index.typed_data()[0]));
-  if (!w.has_value()) {
-    return ffi::Error::InvalidArgument("layer_matmul_bf16: the layer index is out of range");
-  }
-  return Run(pool, x, *w, y, /*transposed=*/false);
-}
-
 }  // namespace
 
-#define DSPARK_BINDING                 \
-  ffi::Ffi::Bind()                     \
-      .Ctx<ffi::ThreadPool>()          \
-      .Arg<ffi::Buffer<ffi::BF16>>()   \
-      .Arg<ffi::Buffer<ffi::BF16>>()   \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulBf16, SmallMatmulBf16, DSPARK_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmulBf16T, SmallMatmulBf16T, DSPARK_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmulBf16, LayerMatmulBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // the layer's index
-                                  .RemainingArgs()                // every layer's matrix
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+DSPARK_MATMUL_HANDLERS(Bf16, ffi::BF16, Run);

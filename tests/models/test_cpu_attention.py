@@ -237,7 +237,8 @@ LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=48, hidden_size=32,
 PROMPTS = [[5, 9, 11, 7], [4, 8, 15, 16, 23, 42, 7, 6, 10, 12, 14, 20, 21], [17]]
 
 
-@pytest.mark.parametrize("weight_dtype", [None, "bfloat16"])
+# bfloat16 weights: slow (test_weight_dtype.py checks their engine in the default run).
+@pytest.mark.parametrize("weight_dtype", [None, pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_the_engine_attends_through_it_and_speculative_equals_autoregressive(weight_dtype):
     target = init_target(LLAMA, seed=4)
     drafter = dspark_jax.init_drafter(target, seed=5)
