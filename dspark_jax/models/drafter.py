@@ -34,11 +34,10 @@ from flax import nnx
 from dspark_jax.model_config import attention_dims
 from dspark_jax.models import layer_weights
 from dspark_jax.models.decoder import Decoder, DecoderLayer, stacked
-from dspark_jax.models.fused_attention import attend_draft_blocks
+from dspark_jax.models.fused_attention import attend_cache, attend_draft_blocks
 from dspark_jax.models.heads import ConfidenceHead, block_bias, make_head
-from dspark_jax.models.kv_cache import KVCache, write_layer
-from dspark_jax.models.layers import (Linear, RMSNorm, _param, attend_blockwise, rope_cos_sin,
-                                      rope_frequencies)
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.layers import Linear, RMSNorm, _param, rope_cos_sin, rope_frequencies
 
 
 def first_proposal_slot(cfg) -> int:
@@ -205,62 +204,54 @@ class DSparkModel(nnx.Module):
         return KVCache.zeros(self.config.num_layers, batch, slots, *attention_dims(cfg)[:2], dtype,
                              transposed_keys)
 
-    def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask, cache=None,
-                    ctx_slots=None, attention: str | None = None):
-        """The draft layers over blocks and their context.
+    def _layer_scan(self, body, carry):
+        """Runs ``body(layer, index, carry) -> (carry, out)`` over the draft layers as one
+        ``lax.scan``: the stacked parameters sliced by the scan, or matrices held per layer
+        (``Drafter.inference_state``) each read in place by its index. Returns (carry, the
+        stacked outs)."""
+        graphdef, state = nnx.split(self.layers)
+        indices = jnp.arange(self.config.num_layers)
+        if any(map(layer_weights.is_unstacked,
+                   jax.tree.leaves(state, is_leaf=layer_weights.is_unstacked))):
+            def by_index(carry, index):
+                layer = jax.tree.map(lambda x: layer_weights.layer(x, index), state,
+                                     is_leaf=layer_weights.is_unstacked)
+                return body(nnx.merge(graphdef, layer), index, carry)
+
+            return jax.lax.scan(by_index, carry, indices)
+        return jax.lax.scan(lambda carry, xs: body(nnx.merge(graphdef, xs[0]), xs[1], carry),
+                            carry, (state, indices))
+
+    def _run_layers(self, h, *, cos, sin, ctx, ctx_cos, ctx_sin, mask: BlockMask,
+                    attention: str | None = None):
+        """The draft layers over blocks and their context, without a cache (training).
 
         Args:
           h: [b, T, d] embeddings of T = n * block_size block tokens; cos/sin [b, T, D] at the
             block positions.
           ctx: [b, C, d] projected context features; ctx_cos/ctx_sin [b, C, D].
-          mask: BlockMask with context bool [b, T, K_ctx] (K_ctx = C without a cache, = slots
-            with one) and keep [b, T]; each block also sees its own tokens.
-          cache: optional draft cache; the context K/V are written at ``ctx_slots`` [b, C]
-            and the block attends over all cache slots instead of the C new entries.
-          attention: without a cache, the implementation of the attention
-            (``fused_attention.attend_draft_blocks``; None: the backend's).
+          mask: BlockMask with context bool [b, T, C] and keep [b, T]; each block also sees its
+            own tokens.
+          attention: the implementation of the attention (``fused_attention.attend_draft_blocks``;
+            None: the backend's).
 
         Returns:
-          (final-normed hidden [b, T, d], updated cache or None).
+          final-normed hidden [b, T, d].
         """
-        graphdef, layer_state = nnx.split(self.layers)
-        transposed = cache is None or cache.transposed_keys
-
-        def step(h, xs):
-            state, k_cache, v_cache = xs
-            layer = nnx.merge(graphdef, state)
+        def body(layer, _, h):
             attn = layer.self_attn
             k_ctx, v_ctx = attn.keys_values(ctx, ctx_cos, ctx_sin)  # [b, C, K, D]
             x = layer.input_layernorm(h)
             q = attn.queries(x, cos, sin)
             k_block, v_block = attn.keys_values(x, cos, sin)
-            if k_cache is not None:
-                k_cache = write_layer(k_cache, k_ctx, ctx_slots, transposed_keys=transposed)
-                v_cache = write_layer(v_cache, v_ctx, ctx_slots, transposed_keys=False)
-                out = attend_blockwise(q, k_cache.astype(k_block.dtype), v_cache.astype(v_block.dtype),
-                                       mask.context, k_block, v_block, mask.keep,
-                                       block_size=self.config.block_size, scale=attn.scale,
-                                       transposed_keys=transposed)
-            else:
-                out = attend_draft_blocks(q, k_ctx.astype(k_block.dtype), v_ctx.astype(v_block.dtype),
-                                          mask.context, k_block, v_block, mask.keep,
-                                          block_size=self.config.block_size, scale=attn.scale,
-                                          implementation=attention)
-            h = layer.finish(h, out)
-            return h, (k_cache, v_cache)
+            out = attend_draft_blocks(q, k_ctx.astype(k_block.dtype), v_ctx.astype(v_block.dtype),
+                                      mask.context, k_block, v_block, mask.keep,
+                                      block_size=self.config.block_size, scale=attn.scale,
+                                      implementation=attention)
+            return layer.finish(h, out), None
 
-        xs = (layer_state,) + ((None, None) if cache is None else (cache.k, cache.v))
-        if any(map(layer_weights.is_unstacked,
-                   jax.tree.leaves(layer_state, is_leaf=layer_weights.is_unstacked))):
-            # Matrices held per layer (Drafter.inference_state): each layer's read in place.
-            def by_index(h, index):
-                return step(h, jax.tree.map(lambda x: layer_weights.layer(x, index), xs,
-                                            is_leaf=layer_weights.is_unstacked))
-
-            h, (k_cache, v_cache) = jax.lax.scan(by_index, h, jnp.arange(self.config.num_layers))
-        else:
-            h, (k_cache, v_cache) = jax.lax.scan(step, h, xs)
-        return self.norm(h), (None if cache is None else cache.replace(k=k_cache, v=v_cache))
+        h, _ = self._layer_scan(body, h)
+        return self.norm(h)
 
     # -- heads ---------------------------------------------------------------------------------
 
@@ -301,19 +292,36 @@ class DSparkModel(nnx.Module):
           context written; the block itself is never cached). Proposal slots are
           ``hidden[:, first_proposal_slot:]``; their base logits are ``target.logits(...)``.
         """
-        b = anchor_tokens.shape[0]
-        block_positions = anchor_positions[:, None] + jnp.arange(self.config.block_size)[None, :]
+        b, block = anchor_tokens.shape[0], self.config.block_size
+        block_positions = anchor_positions[:, None] + jnp.arange(block)[None, :]
         cos, sin = self.rope(block_positions)
+        ctx = self.context(ctx_taps)
         ctx_cos, ctx_sin = self.rope(ctx_positions)
-        slots = jnp.arange(cache.num_slots)
-        visible = slots[None, None, :] < anchor_positions[:, None, None]
-        visible = jnp.broadcast_to(visible, (b, self.config.block_size, cache.num_slots))
-        mask = BlockMask(visible, jnp.ones((b, self.config.block_size), bool))
-        hidden, cache = self._run_layers(
-            self.block_embeddings(target, anchor_tokens), cos=cos, sin=sin,
-            ctx=self.context(ctx_taps), ctx_cos=ctx_cos, ctx_sin=ctx_sin, mask=mask, cache=cache,
-            ctx_slots=ctx_positions)
-        return DraftOutput(hidden, cache)
+        # Every layer's keys and values of the new context (they do not depend on the block)
+        # go into the cache first, so that each layer's block attention reads its layer of
+        # the cache where it lies: on a CPU a kernel over the slots < anchor only
+        # (fused_attention.attend_cache), where the einsum read every slot of a copy.
+        _, (k_ctx, v_ctx) = self._layer_scan(
+            lambda layer, _, carry: (carry, layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)),
+            None)  # [L, b, C, K, D]
+        cache = cache.write(k_ctx, v_ctx, ctx_positions)
+        visible = jnp.broadcast_to(
+            jnp.arange(cache.num_slots)[None, None, :] < anchor_positions[:, None, None],
+            (b, block, cache.num_slots))
+        own = jnp.ones((b, block, block), bool)  # inside a block attention is bidirectional
+
+        def body(layer, index, h):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.queries(x, cos, sin)
+            k_block, v_block = attn.keys_values(x, cos, sin)
+            out = attend_cache(q, cache.k, cache.v, visible, k_block, v_block, own, layer=index,
+                               lengths=anchor_positions, scale=attn.scale,
+                               transposed_keys=cache.transposed_keys)
+            return layer.finish(h, out), None
+
+        hidden, _ = self._layer_scan(body, self.block_embeddings(target, anchor_tokens))
+        return DraftOutput(self.norm(hidden), cache)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -352,8 +360,8 @@ class DSparkModel(nnx.Module):
         h = self.block_embeddings(target, anchor_tokens, keep).reshape(b, num_blocks * block, -1)
         mask = block_attention_mask(anchors=anchors, keep=keep, context_len=seq, block_size=block,
                                     segment_ids=segment_ids)
-        hidden, _ = self._run_layers(h, cos=cos, sin=sin, ctx=self.context(taps), ctx_cos=ctx_cos,
-                                     ctx_sin=ctx_sin, mask=mask, attention=attention)
+        hidden = self._run_layers(h, cos=cos, sin=sin, ctx=self.context(taps), ctx_cos=ctx_cos,
+                                  ctx_sin=ctx_sin, mask=mask, attention=attention)
         hidden = hidden.reshape(b, num_blocks, block, -1)
 
         first = self.first_proposal_slot

@@ -149,25 +149,6 @@ class StackedLayer:
     index: jax.Array
 
 
-def write_layer(cache_layer: jax.Array, new: jax.Array, positions: jax.Array, *,
-                transposed_keys: bool) -> jax.Array:
-    """Scatters new entries into one layer of the cache.
-
-    Args:
-      cache_layer: keys [B, K, D, S] (``transposed_keys``) or values, or keys like them,
-        [B, K, S, D].
-      new: [B, T, K, D], the entries of the tokens at ``positions``.
-      positions: int [B, T], slot of each new token (positions >= S are dropped).
-
-    Returns:
-      ``cache_layer`` updated.
-    """
-    rows = jnp.arange(new.shape[0])[:, None]
-    index = ((rows, slice(None), slice(None), positions) if transposed_keys
-             else (rows, slice(None), positions))
-    return cache_layer.at[index].set(new.astype(cache_layer.dtype), mode="drop")
-
-
 def slots_view(cache_layer: jax.Array, num_slots: int, *, transposed_keys: bool) -> jax.Array:
     """The first ``num_slots`` slots of one layer: keys [B, K, D, S] (``transposed_keys``) or
     values (or keys like them) [B, K, S, D] -> the same with S = num_slots."""

@@ -13,6 +13,7 @@ from flax import nnx
 
 import dspark_jax
 from dspark_jax.drafter_config import default_layer_ids, drafter_config
+from dspark_jax.models import cpu_attention
 from dspark_jax.models.drafter import block_attention_mask, sample_anchors
 from dspark_jax.models.heads import block_bias
 from dspark_jax.target import init_target
@@ -22,8 +23,13 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "LlamaForCausalLM"])
+@pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "LlamaForCausalLM", "head-dim-16"])
 def target(request):
+    """Tiny targets; with a head dim of 16 a CPU drafts through the cache attention kernel
+    (``cpu_attention``), with 8 through the einsum."""
+    if request.param == "head-dim-16":
+        return init_target(dict(architectures=["Qwen3ForCausalLM"], **dict(TINY, head_dim=16)),
+                           seed=1)
     return init_target(dict(architectures=[request.param], **TINY), seed=1)
 
 
@@ -62,6 +68,11 @@ def test_training_forward_matches_inference(target):
         return draft(model, tmodel, ctx_taps=taps, ctx_positions=positions, cache=cache,
                      anchor_tokens=ids[:, anchor], anchor_positions=jnp.array([anchor]))
 
+    kernel = target.config.head_dim % 16 == 0 and cpu_attention.available()
+    program = draft.lower(model, tmodel, ctx_taps=taps, ctx_positions=jnp.zeros((1, seq), jnp.int32),
+                          cache=model.init_cache(1, slots), anchor_tokens=ids[:, 2],
+                          anchor_positions=jnp.array([2])).as_text()
+    assert (cpu_attention.TARGET in program) == kernel
     # Fresh cache per anchor.
     for j, a in enumerate([2, 6, 9]):
         out = infer(model.init_cache(1, slots), 0, a, a)
