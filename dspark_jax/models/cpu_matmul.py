@@ -44,17 +44,18 @@ from dspark_jax.models import cpu_kernels
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGETS = {False: "dspark_small_matmul", True: "dspark_small_matmul_t"}  # by transpose_w
 ROW_SUM_TARGET = "dspark_row_sum"
-LAYER_TARGET = "dspark_layer_matmul"  # layers[index]
+LAYER_TARGETS = {False: "dspark_layer_matmul", True: "dspark_layer_matmul_t"}  # layers[index]
 
 
 class Bfloat16Kernel(NamedTuple):
     """A kernel for bfloat16 rows by bfloat16 weights with a float32 result: its source beside
-    this module, its FFI targets (x @ w, x @ w^T, x @ layers[index]) and their handler symbols,
+    this module, its FFI targets (x @ w, x @ w^T, x @ layers[index], x @ layers[index]^T) and
+    their handler symbols,
     the compiler flags and CPU flags it needs, and the environment variable that switches it
     off."""
     source: str
-    targets: tuple[str, str, str]
-    symbols: tuple[str, str, str]
+    targets: tuple[str, str, str, str]
+    symbols: tuple[str, str, str, str]
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     switch: str
@@ -62,14 +63,18 @@ class Bfloat16Kernel(NamedTuple):
 
 AMX = Bfloat16Kernel(
     "cpu_matmul_amx.cc",
-    ("dspark_small_matmul_amx", "dspark_small_matmul_amx_t", "dspark_layer_matmul_amx"),
-    ("DsparkSmallMatmulAmx", "DsparkSmallMatmulAmxT", "DsparkLayerMatmulAmx"),
+    ("dspark_small_matmul_amx", "dspark_small_matmul_amx_t", "dspark_layer_matmul_amx",
+     "dspark_layer_matmul_amx_t"),
+    ("DsparkSmallMatmulAmx", "DsparkSmallMatmulAmxT", "DsparkLayerMatmulAmx",
+     "DsparkLayerMatmulAmxT"),
     ("-mavx512bw", "-mamx-tile", "-mamx-bf16"), ("avx512bw", "amx_tile", "amx_bf16"),
     "DSPARK_JAX_CPU_AMX")
 AVX512_BF16 = Bfloat16Kernel(
     "cpu_matmul_bf16.cc",
-    ("dspark_small_matmul_bf16", "dspark_small_matmul_bf16_t", "dspark_layer_matmul_bf16"),
-    ("DsparkSmallMatmulBf16", "DsparkSmallMatmulBf16T", "DsparkLayerMatmulBf16"),
+    ("dspark_small_matmul_bf16", "dspark_small_matmul_bf16_t", "dspark_layer_matmul_bf16",
+     "dspark_layer_matmul_bf16_t"),
+    ("DsparkSmallMatmulBf16", "DsparkSmallMatmulBf16T", "DsparkLayerMatmulBf16",
+     "DsparkLayerMatmulBf16T"),
     ("-mavx512bw", "-mavx512bf16"), ("avx512bw", "avx512_bf16"), "DSPARK_JAX_CPU_BF16")
 MAX_ROWS = 32  # the most rows (tokens times batch rows) of a float32 product by the kernel
 # ... of a bfloat16 one: beyond, XLA's dot is as fast on AMX (benchmarks/bf16_rows.py)
@@ -87,7 +92,8 @@ def available() -> bool:
             and cpu_kernels.register(SOURCE, {TARGETS[False]: "DsparkSmallMatmul",
                                               TARGETS[True]: "DsparkSmallMatmulT",
                                               ROW_SUM_TARGET: "DsparkRowSum",
-                                              LAYER_TARGET: "DsparkLayerMatmul"}, what))
+                                              LAYER_TARGETS[False]: "DsparkLayerMatmul",
+                                              LAYER_TARGETS[True]: "DsparkLayerMatmulT"}, what))
 
 
 @functools.cache
@@ -196,21 +202,25 @@ def matmul(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
     return _product(x, w, transpose_w)
 
 
-def layer_matmul(x: jax.Array, layers: tuple[jax.Array, ...], index: jax.Array) -> jax.Array:
-    """x [..., K] @ layers[index] [K, N] -> float32 [..., N] inside a scan over layers, where
-    :func:`applies` to x and the layers (one shape and dtype): one custom call that takes every
-    layer's array and the traced ``index`` and reads the chosen matrix in place, without the
-    conditional over the layers (``lax.switch``) that XLA:CPU would run around each matmul.
-    Other platforms lower a switch over einsums. Not differentiable (the engine's per-layer
-    arrays, ``layer_weights.Unstacked``, are an inference layout)."""
+def layer_matmul(x: jax.Array, layers: tuple[jax.Array, ...], index: jax.Array,
+                 transpose_w: bool = False) -> jax.Array:
+    """x [..., K] @ layers[index] [K, N] (``transpose_w``: layers[index] [N, K]) -> float32
+    [..., N] inside a scan over layers, where :func:`applies` to x and the layers (one shape
+    and dtype): one custom call that takes every layer's array and the traced ``index`` and
+    reads the chosen matrix in place, without the conditional over the layers (``lax.switch``)
+    that XLA:CPU would run around each matmul. Other platforms lower a switch over einsums.
+    Not differentiable (the engine's per-layer arrays, ``layer_weights.Unstacked``, are an
+    inference layout)."""
     def kernel(x, index, *layers):
-        out = jax.ShapeDtypeStruct(x.shape[:-1] + layers[0].shape[1:], jnp.float32)
-        target = LAYER_TARGET if x.dtype == jnp.float32 else bfloat16_kernel().targets[2]
+        n = layers[0].shape[0] if transpose_w else layers[0].shape[1]
+        out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32)
+        target = (LAYER_TARGETS[transpose_w] if x.dtype == jnp.float32
+                  else bfloat16_kernel().targets[2 + transpose_w])
         return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
             x, index, *layers)
 
     def switch(x, index, *layers):
-        return jax.lax.switch(index, [functools.partial(_einsum, w=w, transpose_w=False)
+        return jax.lax.switch(index, [functools.partial(_einsum, w=w, transpose_w=transpose_w)
                                       for w in layers], x)
 
     return jax.lax.platform_dependent(x, jnp.asarray(index, jnp.int32), *layers, cpu=kernel,

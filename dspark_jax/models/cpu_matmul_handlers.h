@@ -4,10 +4,11 @@
 //                  ffi::ResultBuffer<ffi::F32>& y, bool transposed)
 // for x [..., K] @ w [K, N] (transposed: @ w [N, K]^T) -> float32 y:
 //   DSPARK_MATMUL_HANDLERS(Suffix, T, Run) defines DsparkSmallMatmul<Suffix> (x @ w),
-//   DsparkSmallMatmul<Suffix>T (x @ w^T) and DsparkLayerMatmul<Suffix> (x @ layers[index]).
-// The layer matmul runs inside a scan over layers: every layer's [K, N] array is an operand and
-// the layer's index a traced one, so the chosen matrix is read in place with no conditional of
-// XLA's around the call (a switch over 30 layers cost about 5 us per matmul).
+//   DsparkSmallMatmul<Suffix>T (x @ w^T), DsparkLayerMatmul<Suffix> (x @ layers[index]) and
+//   DsparkLayerMatmul<Suffix>T (x @ layers[index]^T).
+// The layer matmul runs inside a scan over layers: every layer's [K, N] (or [N, K]) array is an
+// operand and the layer's index a traced one, so the chosen matrix is read in place with no
+// conditional of XLA's around the call (a switch over 30 layers cost about 5 us per matmul).
 
 #ifndef DSPARK_JAX_CPU_MATMUL_HANDLERS_H_
 #define DSPARK_JAX_CPU_MATMUL_HANDLERS_H_
@@ -22,7 +23,7 @@ xla::ffi::Error SmallMatmul(xla::ffi::ThreadPool pool, xla::ffi::Buffer<T> x,
   return Run(pool, x, w, y, Transposed);
 }
 
-template <auto Run, xla::ffi::DataType T>
+template <auto Run, xla::ffi::DataType T, bool Transposed>
 xla::ffi::Error LayerMatmul(xla::ffi::ThreadPool pool, xla::ffi::Buffer<T> x,
                             xla::ffi::Buffer<xla::ffi::S32> index,
                             xla::ffi::RemainingArgs layers,
@@ -31,7 +32,7 @@ xla::ffi::Error LayerMatmul(xla::ffi::ThreadPool pool, xla::ffi::Buffer<T> x,
   if (!w.has_value()) {
     return xla::ffi::Error::InvalidArgument("layer_matmul: the layer index is out of range");
   }
-  return Run(pool, x, *w, y, /*transposed=*/false);
+  return Run(pool, x, *w, y, Transposed);
 }
 
 }  // namespace dspark
@@ -58,7 +59,11 @@ xla::ffi::Error LayerMatmul(xla::ffi::ThreadPool pool, xla::ffi::Buffer<T> x,
   XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkSmallMatmul##Suffix##T,                              \
                                 (dspark::SmallMatmul<Run, Type, true>),                   \
                                 DSPARK_MATMUL_BINDING(Type));                              \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmul##Suffix, (dspark::LayerMatmul<Run, Type>), \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmul##Suffix,                                 \
+                                (dspark::LayerMatmul<Run, Type, false>),                  \
+                                DSPARK_LAYER_MATMUL_BINDING(Type));                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(DsparkLayerMatmul##Suffix##T,                              \
+                                (dspark::LayerMatmul<Run, Type, true>),                   \
                                 DSPARK_LAYER_MATMUL_BINDING(Type))
 
 #endif  // DSPARK_JAX_CPU_MATMUL_HANDLERS_H_

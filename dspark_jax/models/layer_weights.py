@@ -38,21 +38,24 @@ MAX_ROWS = 4  # the most slots for which default_layout unstacks
 
 @jax.tree_util.register_pytree_node_class
 class Unstacked:
-    """One stacked matrix [L, in, out] held as L arrays [in, out] (the leaves of this pytree)."""
+    """One stacked matrix [L, in, out] held as L arrays [in, out] (the leaves of this pytree),
+    or, ``transposed``, as L arrays [out, in] (:func:`with_layout`)."""
 
-    def __init__(self, layers):
-        self.layers = tuple(layers)
+    def __init__(self, layers, transposed: bool = False):
+        self.layers, self.transposed = tuple(layers), transposed
 
     def tree_flatten(self):
-        return self.layers, None
+        return self.layers, self.transposed
 
     @classmethod
-    def tree_unflatten(cls, _, layers):
-        return cls(layers)
+    def tree_unflatten(cls, transposed, layers):
+        return cls(layers, transposed)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (len(self.layers),) + tuple(self.layers[0].shape)
+        """The stacked matrix's shape [L, in, out] (whichever way its arrays are held)."""
+        shape = tuple(self.layers[0].shape)
+        return (len(self.layers),) + (shape[::-1] if self.transposed else shape)
 
     @property
     def dtype(self):
@@ -61,27 +64,28 @@ class Unstacked:
     def run(self, first: int, end: int) -> "Unstacked":
         """Layers [first, end) (static): a layer scan over part of a stack switches over those
         only, so each matmul compiles one branch per layer of the run."""
-        return Unstacked(self.layers[first:end])
+        return Unstacked(self.layers[first:end], self.transposed)
 
     def at(self, index: jax.Array) -> "LayerKernel":
         """Layer ``index`` (traced int [], within these layers) of the matrix, for its matmuls."""
-        return LayerKernel(self.layers, index)
+        return LayerKernel(self.layers, index, self.transposed)
 
 
 @jax.tree_util.register_pytree_node_class
 class LayerKernel:
-    """One layer's matrix inside a layer scan: the L arrays and the layer's traced index,
-    used only through :meth:`einsum` (there is no array to read without copying it)."""
+    """One layer's matrix inside a layer scan: the L arrays ([in, out], or [out, in] when
+    ``transposed``) and the layer's traced index, used only through :meth:`einsum` (there is
+    no array to read without copying it)."""
 
-    def __init__(self, layers, index):
-        self.layers, self.index = tuple(layers), index
+    def __init__(self, layers, index, transposed: bool = False):
+        self.layers, self.index, self.transposed = tuple(layers), index, transposed
 
     def tree_flatten(self):
-        return (self.layers, self.index), None
+        return (self.layers, self.index), self.transposed
 
     @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(*children)
+    def tree_unflatten(cls, transposed, children):
+        return cls(*children, transposed)
 
     @property
     def dtype(self):
@@ -89,10 +93,15 @@ class LayerKernel:
 
     def einsum(self, spec: str, x: jax.Array, preferred_element_type=None) -> jax.Array:
         """``jnp.einsum(spec, x, matrix, preferred_element_type=...)`` of this layer's matrix
-        read in place, e.g. "...i,io->...o": x [..., in] -> [..., out]."""
+        [in, out] read in place, e.g. "...i,io->...o": x [..., in] -> [..., out]."""
         if spec == "...i,io->...o" and cpu_matmul.applies(x, self.layers[0],
-                                                            preferred_element_type):
-            return cpu_matmul.layer_matmul(x, self.layers, self.index)  # a few rows, in place
+                                                            preferred_element_type,
+                                                            self.transposed):
+            return cpu_matmul.layer_matmul(x, self.layers, self.index, self.transposed)
+        if self.transposed:  # the operand's subscripts as its arrays hold them: [out, in]
+            inputs, out = spec.split("->")
+            operand, matrix = inputs.split(",")
+            spec = f"{operand},{matrix[::-1]}->{out}"
         branches = [functools.partial(_einsum_with, spec, j, preferred_element_type)
                     for j in range(len(self.layers))]
         return jax.lax.switch(self.index, branches, x, self.layers)
@@ -148,7 +157,12 @@ def default_layout(state: nnx.State, rows: int, dtype=None, forward_rows: int | 
 def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> nnx.State:
     """``state`` with the matrices [L, in, out] under ``stack_names`` (a decoder's layer
     stacks) held as :class:`Unstacked` for ``layout`` "unstacked", unchanged for "stacked".
-    The arrays are new buffers (one copy of the weights, made once); the rest is shared."""
+    Float32 matrices that ``cpu_matmul``'s kernel multiplies are held transposed, [out, in]:
+    the kernel's product then reads each thread's share of a matrix as one contiguous run,
+    where a row of [in, out] splits between the threads; batch-1 greedy SmolLM2 decodes
+    1.11-1.15x as fast and a verify of 8 tokens takes 14% less time, 16 rows and batch 8 run
+    level (BENCHMARKS.md, "Layer matrices held [out, in]"). The arrays are new buffers (one
+    copy of the weights, made once); the rest is shared."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layer weight layout {layout!r}; known: {LAYOUTS}")
     if layout == "stacked":
@@ -158,7 +172,10 @@ def with_layout(state: nnx.State, stack_names: tuple[str, ...], layout: str) -> 
         value = variable.get_value()
         if (path[0] in stack_names and path[-1] == "kernel" and not isinstance(value, Unstacked)
                 and value.ndim == 3):
-            return variable.replace(Unstacked(value[i] for i in range(value.shape[0])))
+            transposed = value.dtype == jnp.float32 and cpu_matmul.available()
+            return variable.replace(Unstacked(
+                (value[i].T if transposed else value[i] for i in range(value.shape[0])),
+                transposed))
         return variable
 
     return jax.tree_util.tree_map_with_path(

@@ -191,13 +191,14 @@ def test_each_bfloat16_kernel_has_its_switch():
     assert off.stdout.split() == [expected, "True"]
 
 
-def _reads_the_indexed_layer_in_place(dtype, target):
+def _reads_the_indexed_layer_in_place(dtype, target, transpose_w):
     rng = np.random.default_rng(5)
-    layers = tuple(jnp.asarray(rng.standard_normal((64, 48)), dtype) for _ in range(5))
+    shape = (48, 64) if transpose_w else (64, 48)
+    layers = tuple(jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(5))
     x = jnp.asarray(rng.standard_normal((3, 64)), dtype)
-    product = jax.jit(lambda x, i: cpu_matmul.layer_matmul(x, layers, i))
+    product = jax.jit(lambda x, i: cpu_matmul.layer_matmul(x, layers, i, transpose_w))
     for i in range(len(layers)):
-        np.testing.assert_array_equal(product(x, i), cpu_matmul.matmul(x, layers[i]))
+        np.testing.assert_array_equal(product(x, i), cpu_matmul.matmul(x, layers[i], transpose_w))
     with pytest.raises(Exception, match="layer index is out of range"):
         product(x, len(layers)).block_until_ready()
     for platform, calls in (("cpu", 1), ("cuda", 0)):  # elsewhere: a switch over einsums
@@ -205,9 +206,13 @@ def _reads_the_indexed_layer_in_place(dtype, target):
         assert text.count(f"@{target}(") == calls
 
 
-def test_a_layer_matmul_reads_the_indexed_layer_in_place():
-    _reads_the_indexed_layer_in_place(jnp.float32, cpu_matmul.LAYER_TARGET)
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w[K,N]", "w[N,K]"])
+def test_a_layer_matmul_reads_the_indexed_layer_in_place(transpose_w):
+    _reads_the_indexed_layer_in_place(jnp.float32, cpu_matmul.LAYER_TARGETS[transpose_w],
+                                      transpose_w)
 
 
-def test_a_bfloat16_layer_matmul_reads_the_indexed_layer_in_place(bf16_kernel):
-    _reads_the_indexed_layer_in_place(jnp.bfloat16, bf16_kernel.targets[2])
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w[K,N]", "w[N,K]"])
+def test_a_bfloat16_layer_matmul_reads_the_indexed_layer_in_place(bf16_kernel, transpose_w):
+    _reads_the_indexed_layer_in_place(jnp.bfloat16, bf16_kernel.targets[2 + transpose_w],
+                                      transpose_w)

@@ -36,9 +36,11 @@ def _cached_forward(graphdef, state, tokens):
 @CONFIGS
 @pytest.mark.parametrize("kernel", [False, True], ids=["xla-dot", "cpu-matmul"])
 def test_unstacked_weights_compute_what_the_stacks_compute(config, kernel, monkeypatch):
-    """Exactly with XLA's dot in both; with ``cpu_matmul`` (the per-layer arrays' few-row
-    float32 products on CPU, another summation order) to float32 rounding."""
+    """Exactly with XLA's dot in both (a host without the kernel: the arrays [in, out]); with
+    ``cpu_matmul`` (the per-layer arrays' few-row float32 products on CPU, held [out, in],
+    another summation order) to float32 rounding."""
     if not kernel:
+        monkeypatch.setattr(cpu_matmul, "available", lambda: False)
         monkeypatch.setattr(cpu_matmul, "applies", lambda *a, **k: False)
     elif not cpu_matmul.available():
         pytest.skip("no cpu_matmul kernel on this host")
