@@ -289,9 +289,9 @@ def test_a_full_queue_answers_429(tiny):
         client = live.client()
         first = client.completions.create(model=MODEL, prompt="Count", temperature=0,
                                           max_tokens=MAX_LEN - 8, stream=True)
+        next(iter(first))  # in a slot: the queue (of one) is free for the second
         second = client.completions.create(model=MODEL, prompt="Count", temperature=0,
                                            max_tokens=MAX_LEN - 8, stream=True)
-        next(iter(first))
         live.wait_for(lambda h: h["slots_in_use"] == 2, "both slots")
         third = client.completions.create(model=MODEL, prompt="Count", temperature=0,
                                           max_tokens=MAX_LEN - 8, stream=True)
