@@ -7,6 +7,7 @@ program by total time per decode step, each with its output shape from the compi
     python benchmarks/profile_decode.py --batch 1 --max-new-tokens 64
     python benchmarks/profile_decode.py --batch 32 --temperature 0.7 --top-p 0.8 --top-k 20
     python benchmarks/profile_decode.py --drafter dspark-smollm2-135m   # per speculative round
+    python benchmarks/profile_decode.py --drafter dspark-smollm2-135m-campaign --draft-weight-dtype bfloat16
     python benchmarks/profile_decode.py --batch 8 --weight-dtype bfloat16 --layer-weights unstacked
 
 With ``--drafter`` the run decodes speculatively (the whole block verified) and the table is per
@@ -49,6 +50,8 @@ def main():
                         "rounds (verify the whole block) instead of autoregressive steps")
     parser.add_argument("--weight-dtype", choices=["bfloat16"],
                         help="the target's weight matrices in this dtype (Engine(weight_dtype=))")
+    parser.add_argument("--draft-weight-dtype", choices=["bfloat16"],
+                        help="the drafter's weight matrices in this dtype (the demo's default)")
     parser.add_argument("--layer-weights", choices=["stacked", "unstacked"],
                         help="layout of the target's layer weights (default: the engine's)")
     parser.add_argument("--group", action="store_true", help="sum ops that differ by suffix")
@@ -68,7 +71,8 @@ def main():
               top_p=args.top_p, top_k=args.top_k, weight_dtype=args.weight_dtype,
               layer_weights=args.layer_weights)
     if args.drafter:
-        kw.update(drafter=dspark_jax.load_drafter(args.drafter, target), verify="full")
+        kw.update(drafter=dspark_jax.load_drafter(args.drafter, target), verify="full",
+                  draft_weight_dtype=args.draft_weight_dtype)
     dspark_jax.generate(target, prompts, **kw)  # compile
 
     trace_dir = args.workdir / "trace"

@@ -360,6 +360,10 @@ def _load_sps_file(path_text: str) -> list:
     if not path.is_file():
         raise ValueError(f"--sps {path_text}: no such file (a profile-sps JSON, or 'auto')")
     data = json.loads(path.read_text())
+    if isinstance(data, dict) and "samples" in data:  # a profile: its table from its samples
+        from dspark_jax.scheduling.sps import SPSProfile
+
+        return SPSProfile.from_json(data).table().tolist()
     table = data.get("table") if isinstance(data, dict) else data
     if not isinstance(table, list) or not table:
         raise ValueError(f"--sps {path_text}: expected a profile-sps JSON (with 'table') or a "

@@ -72,6 +72,20 @@ def test_generate_with_an_untrained_drafter(smollm2, smollm2_cache, monkeypatch,
     assert "missing.json: no such file" in capsys.readouterr().err
 
 
+def test_an_sps_file_is_read_as_a_table_or_as_a_profile(tmp_path):
+    """A list is the table; a profile-sps JSON gives the table of its samples, settled (a
+    profile written before settling carried its raw medians' table)."""
+    listed = tmp_path / "list.json"
+    listed.write_text(json.dumps([1.0, 1.0, 0.5]))
+    assert cli._load_sps_file(str(listed)) == [1.0, 1.0, 0.5]
+    samples = [[0.010, 0.011, 0.012], [0.0105, 0.0112, 0.0121], [0.030, 0.031, 0.029]]
+    profile = dict(key={}, grid=[1, 2, 4], seconds=[0.011, 0.0112, 0.030], samples=samples,
+                   created=0.0, table=[91.0, 91.0, 89.0, 33.0, 33.0])
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    table = cli._load_sps_file(str(tmp_path / "profile.json"))
+    np.testing.assert_allclose(table, [1 / 0.0111] * 3 + [1 / 0.030] * 2, rtol=1e-6)
+
+
 def test_a_programming_error_is_not_reported_as_bad_input(monkeypatch):
     def buggy(args):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")

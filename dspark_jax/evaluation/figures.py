@@ -281,7 +281,7 @@ def plot_sps_profile(profile: SPSProfile, path, mode: str = "step") -> Path:
     table = profile.table(mode)
     fig = Figure(figsize=(6.4, 4.0))
     ax = fig.subplots()
-    ax.plot(np.arange(1, table.shape[0]), table[1:], label=f"table ({mode})",
+    ax.plot(np.arange(1, table.shape[0]), table[1:], label=f"table ({mode}, settled)",
             drawstyle="steps-pre" if mode == "step" else "default")
     ax.plot(profile.grid, profile.steps_per_s, "o", label="measured (median)")
     ax.set_xscale("log", base=2)

@@ -2,8 +2,11 @@
 
 SPS(B) is the engine's decode steps per second when its verification forward carries B tokens
 (B = sum over requests of 1 + verified drafts). It is measured once per engine configuration on
-a grid of B (the engine's token buckets, since the engine pads a step to the next bucket) and
-expanded to the table ``sps[0..Bmax]`` the schedulers read (``sps[0]`` is never used):
+a grid of B (the engine's token buckets, since the engine pads a step to the next bucket),
+settled (:func:`settled_seconds`: the step time made non-decreasing in B, neighbours whose
+repeats cannot tell them apart pooled, so that timing noise does not make the schedulers trade
+drafts for a difference that is not there) and expanded to the table ``sps[0..Bmax]`` the
+schedulers read (``sps[0]`` is never used):
 
 * ``"step"`` (default): SPS(B) = SPS(smallest grid point >= B), the exact cost model of an
   engine that pads to those grid points;
@@ -34,6 +37,7 @@ import numpy as np
 from dspark_jax.storage import cache_dir
 
 MODES = ("step", "linear")
+SETTLE_Z = 2.0  # neighbours closer than this many standard errors of their difference are pooled
 
 
 @dataclasses.dataclass
@@ -43,9 +47,11 @@ class SPSProfile:
     Attributes:
       key: what the profile was measured for (model, dtype, device kind, buckets, ...).
       grid: the token counts B that were timed, ascending.
-      seconds: median step time at each grid point.
+      seconds: median step time at each grid point, as measured.
       samples: every timed repeat at each grid point (seconds).
       created: unix time of the measurement.
+
+    The table is built from :attr:`settled_seconds`, not from the raw medians.
     """
 
     key: dict
@@ -56,20 +62,73 @@ class SPSProfile:
 
     @property
     def steps_per_s(self) -> list[float]:
+        """The measured medians as steps/s."""
         return [1.0 / s for s in self.seconds]
 
+    @property
+    def settled_seconds(self) -> list[float]:
+        """Step time per grid point that the table uses (:func:`settled_seconds`)."""
+        return settled_seconds(self.samples)
+
     def table(self, mode: str = "step") -> np.ndarray:
-        """float32 [grid[-1] + 1]: SPS by forward tokens (see :func:`sps_table`)."""
-        return sps_table(self.grid, self.steps_per_s, mode=mode)
+        """float32 [grid[-1] + 1]: SPS by forward tokens (see :func:`sps_table`), from the
+        settled step times."""
+        return sps_table(self.grid, [1.0 / s for s in self.settled_seconds], mode=mode)
 
     def to_json(self) -> dict:
         return dict(dataclasses.asdict(self), steps_per_s=self.steps_per_s,
-                    table=self.table().tolist())
+                    settled_seconds=self.settled_seconds, table=self.table().tolist())
 
     @classmethod
     def from_json(cls, data: dict) -> "SPSProfile":
         return cls(data["key"], [int(b) for b in data["grid"]], [float(s) for s in data["seconds"]],
                    [[float(x) for x in row] for row in data["samples"]], float(data["created"]))
+
+
+def _median_error(samples: np.ndarray) -> float:
+    """Standard error of the median of ``samples``, from their median absolute deviation (a
+    normal law's: sigma = 1.4826 MAD, error = 1.2533 sigma / sqrt(n))."""
+    mad = np.median(np.abs(samples - np.median(samples)))
+    return float(1.2533 * 1.4826 * mad / np.sqrt(samples.size))
+
+
+def settled_seconds(samples: Sequence[Sequence[float]], *, z: float = SETTLE_Z) -> list[float]:
+    """Step times per grid point, non-decreasing along the grid, from the timed repeats.
+
+    Adjacent grid points are pooled (their repeats put together, the pool's median taken) while
+    some neighbouring pair is out of order or closer than ``z`` standard errors of the
+    difference of their medians, the closest pair first: a larger forward never reads as
+    cheaper, and a step the repeats cannot show is not in the table. On a CPU whose verify of
+    8 tokens costs what a decode step does, the grid's points merge into one flat level (and the
+    schedulers verify whole blocks); an accelerator's cliffs, many standard errors high, stay.
+
+    Args:
+      samples: [G][n_g] seconds of each grid point's repeats (``SPSProfile.samples``).
+      z: the pooling threshold in standard errors.
+
+    Returns:
+      [G] seconds: the median of the pool each grid point ends in.
+    """
+    if not samples or any(len(row) == 0 for row in samples):
+        raise ValueError("every grid point needs at least one timed repeat")
+    pools = [np.asarray(row, np.float64) for row in samples]
+    sizes = [1] * len(pools)  # grid points per pool
+
+    def distance(left: np.ndarray, right: np.ndarray) -> float:
+        gap = float(np.median(right) - np.median(left))
+        error = np.hypot(_median_error(left), _median_error(right))
+        if error == 0.0:
+            return gap if gap <= 0 else np.inf
+        return gap / error
+
+    while len(pools) > 1:
+        gaps = [distance(pools[i], pools[i + 1]) for i in range(len(pools) - 1)]
+        i = int(np.argmin(gaps))
+        if gaps[i] >= z:
+            break
+        pools[i:i + 2] = [np.concatenate(pools[i:i + 2])]
+        sizes[i:i + 2] = [sizes[i] + sizes[i + 1]]
+    return [float(np.median(pool)) for pool, size in zip(pools, sizes) for _ in range(size)]
 
 
 def sps_table(grid: Sequence[int], steps_per_s: Sequence[float], *,
