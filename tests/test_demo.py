@@ -17,7 +17,7 @@ def test_demo_runs_and_reports(smollm2, smollm2_cache, monkeypatch, capsys):
     assert row.ar.token_ids and row.ar.wall_s > 0 and not demo.mismatches(rows)
     for way in demo.WAYS:
         assert row.identical(way) and row.spec[way].tau >= 1.0 and row.spec[way].wall_s > 0
-    assert row.spec["full"].verified == 7.0 and row.spec["production"].verified < 7.0
+    assert row.spec["full"].verified == 7.0 and 0 < row.spec["production"].verified <= 7.0
     report = demo.format_report(rows)
     assert "| all |" in report and "What is 3 + 4?" in report and "production: tau" in report
     assert cli.main(["demo", "--prompt", "Name a color.", "--max-new-tokens", "8"]) == 0

@@ -47,6 +47,12 @@ from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.ragged import ragged_forward, to_grid
 
 
+# A new request's lagged confidences until it has its own (its first two rounds): sure drafts,
+# so the production scheduler sizes its capacity from the steps/s table alone then. A constant,
+# so the capacity still never depends on the tokens being verified (paper Appendix A).
+NO_HISTORY = 1.0
+
+
 @struct.dataclass
 class Counters:
     """Per-slot speculative counters of the slot's current request (zeroed at admission)."""
@@ -97,7 +103,7 @@ class Slots:
     confidence: jax.Array  # float32 [S, P] per-step confidences c_k of the block
     confidence_logits: jax.Array  # float32 [S, P] their raw z_k (0 without a confidence head)
     history: jax.Array  # float32 [2, S, P] confidences of the blocks verified two rounds and one
-    #                     round ago (0 before the request had them: it adds nothing to capacity)
+    #                     round ago (NO_HISTORY before the request had them)
     sampling: SamplingParams  # per-slot temperature / top_p / top_k, each [S]
     counters: Counters
     trace: Trace
@@ -289,7 +295,7 @@ def prefill(target, drafter, slots: Slots, caches: Caches, admissions: Admission
         anchor_pos=put(slots.anchor_pos, a.length),
         generated=put(slots.generated, jnp.ones_like(a.length)), max_new=put(slots.max_new, a.max_new),
         output=zero_rows(slots.output).at[a.slot, 0].set(first, mode="drop"),
-        history=slots.history.at[:, a.slot].set(0.0, mode="drop"),
+        history=slots.history.at[:, a.slot].set(NO_HISTORY, mode="drop"),
         sampling=SamplingParams(put(s.temperature, a.sampling.temperature),
                                 put(s.top_p, a.sampling.top_p), put(s.top_k, a.sampling.top_k)),
         counters=jax.tree.map(zero_rows, slots.counters), keys=put(slots.keys, k_rounds), **block)

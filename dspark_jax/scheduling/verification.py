@@ -5,9 +5,10 @@ lagged, active, params)``, all inside the jitted decode loop. ``confidences`` ar
 probabilities c_k = sigmoid(z_k) of the current block (1 when the drafter has no confidence
 head); c_k is computed before x_k is sampled from x_{k-1} and h_k, so cutting at k uses only
 information available before the tokens it cuts. ``lagged`` are the confidences of the block
-that was verified two rounds earlier (the production scheduler's capacity search), and zeros in
-a request's first two rounds: a request adds nothing of its current block to the capacity, whose
-search would otherwise see c_{k+1}, which depends on the drafted x_k (paper Appendix A).
+that was verified two rounds earlier (the production scheduler's capacity search), and ones in
+a request's first two rounds (``decoding.round.NO_HISTORY``: a prior, not the request's current
+block, whose c_{k+1} depends on the drafted x_k; paper Appendix A): a new request's capacity is
+then what the steps/s table allows.
 
 Policies (``policy`` is static, ``params`` are traced arrays):
 
@@ -74,7 +75,7 @@ def policy_proposal_len(policy: str | Callable, confidences, lagged, active, par
 
     Args:
       confidences, lagged: float [b, P] per-step confidence probabilities of the current block /
-        of the block verified two rounds earlier (0 in a request's first two rounds).
+        of the block verified two rounds earlier (ones in a request's first two rounds).
       active: bool [b] rows still generating.
       params: from :func:`default_params`. ``prefix`` and ``production`` score the engine's
         flat verify of sum(1 + n_b) tokens, what is run.

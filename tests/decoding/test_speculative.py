@@ -162,12 +162,13 @@ def law_models():
     return law.law_models()
 
 
-# Production's capacity comes from two rounds earlier, so it verifies drafts from round 2 on:
-# tokens 4 and 5 (round 0 emits token 2, round 1 token 3). The flat verify of 20,000 rows runs
-# 20,000 anchors + k drafts, at full speed up to 40,000 tokens and half speed beyond, so the
-# capacity is about one draft per row, spread over the rows by current survival.
+# Production's capacity comes from two rounds earlier, and from the prior of sure drafts in
+# a request's first two rounds (round 0 emits tokens 1.., after the prefill's token 0). The flat
+# verify of 20,000 rows runs 20,000 anchors + k drafts, at full speed up to 40,000 tokens and
+# half speed beyond, so the capacity is about one draft per row, spread over the rows by
+# current survival.
 @pytest.mark.parametrize("verify,params,positions", [
-    ("full", None, (0, 1, 2)), ("production", {"sps": [1.0] * 40001 + [0.5] * 40000}, (3, 4))])
+    ("full", None, (0, 1, 2)), ("production", {"sps": [1.0] * 40001 + [0.5] * 40000}, (0, 1, 2, 3, 4))])
 @pytest.mark.slow  # chi-square over 20,000 / 8,000 sequences; CI runs -m slow
 def test_output_law_is_the_target_law(law_models, verify, params, positions):
     target, drafter = law_models
@@ -192,8 +193,8 @@ def test_output_law_is_the_target_law_with_a_draft_vocabulary():
 def test_production_is_lossless_for_a_lone_request_with_token_dependent_confidence():
     """Appendix A: with c_2 depending on the drafted x_1, a capacity searched over the current
     block verifies x_1 only when x_1 is even, which biases t2. The production scheduler, run
-    for each row alone, must size its capacity from two rounds earlier (nothing in rounds
-    0-1); chi2 was 336 (bound 152) when round 0 used its own confidences."""
+    for each row alone, must size its capacity from two rounds earlier (a constant prior in
+    rounds 0-1); chi2 was 336 (bound 152) when round 0 used its own confidences."""
     target, drafter = law.law_models(token_dependent_confidence=True)
     chi2, dof, bound, _ = _law_chi2(target, drafter, 4000, law.production_per_request,
                                  {"sps": law.ONE_REQUEST_SPS})
@@ -217,7 +218,8 @@ def test_prefix_scores_the_flat_verify_it_runs():
 
 
 def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
-    """The callable policy's ``lagged`` is round t-2's confidences, zeros in rounds 0-1."""
+    """The callable policy's ``lagged`` is round t-2's confidences, the prior (ones) in
+    rounds 0-1."""
     target, drafter = law_models  # no EOS: the request runs all its rounds
     law.POLICY_CALLS.clear()
     res = dspark_jax.generate(target, [law.PROMPT], max_new_tokens=16, drafter=drafter,
@@ -227,7 +229,7 @@ def test_policy_sees_the_confidences_of_two_rounds_earlier(law_models):
     assert len(conf) >= 4 and len(law.POLICY_CALLS) == len(conf)
     np.testing.assert_allclose(np.stack([c[0][0] for c in calls]), conf, rtol=1e-6)
     lagged = np.stack([c[1][0] for c in calls])
-    np.testing.assert_array_equal(lagged[:2], 0)
+    np.testing.assert_array_equal(lagged[:2], round_lib.NO_HISTORY)
     np.testing.assert_allclose(lagged[2:], conf[:-2], rtol=1e-6)
 
 
