@@ -36,9 +36,9 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              drafter=None, verify="full", verify_params: dict | None = None,
              buckets: Sequence[int] | None = None, record: bool = False,
-             max_batch: int | None = None, progress=None,
-             layer_weights: str | None = None, weight_dtype=None,
-             draft_weight_dtype=None) -> list[GenerationResult]:
+             max_batch: int | None = None, progress=None, on_finished=None,
+             seeds: Sequence[int] | None = None, layer_weights: str | None = None,
+             weight_dtype=None, draft_weight_dtype=None) -> list[GenerationResult]:
     """Generates continuations of prompts.
 
     Args:
@@ -46,7 +46,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
       prompts: strings (chat template applied) or lists of token ids.
       max_new_tokens: at most this many new tokens per prompt (EOS included).
       temperature: 0 is greedy; top_p / top_k: nucleus and top-k truncation (1.0 / 0 disable).
-      seed: PRNG seed.
+      seed: PRNG seed (of the engine: each request draws from it and its place in
+        ``prompts``).
       drafter: a Drafter of ``target`` for speculative decoding (None: autoregressive). The
         output law is the target's (rejection sampling); greedy output equals greedy
         autoregressive output.
@@ -61,6 +62,11 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
       max_batch: rows decoded together (default: every prompt at once); further prompts join
         as rows finish (continuous batching).
       progress: called with the number of prompts that finished after each engine call.
+      on_finished: called as ``on_finished(index, token_ids)`` for each prompt as it finishes
+        (index: its place in ``prompts``), before the others are done: a long job writes its
+        results as they come.
+      seeds: one PRNG seed per prompt, each request's own stream (``Engine.submit``): its
+        tokens then do not depend on the other prompts, ``max_batch`` or ``seed``.
       layer_weights: how the programs read the target's layer weights, "stacked" or
         "unstacked" (``Engine``; None: ``layer_weights.default_layout`` for the rows).
       weight_dtype: the target's weight matrices in this dtype, e.g. bfloat16 under a float32
@@ -83,6 +89,8 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
     if drafter is not None and drafter.target is not target:
         raise ValueError("the drafter was built for another target object")
     encoded = encode_prompts(target, prompts)
+    if seeds is not None and len(seeds) != len(encoded):
+        raise ValueError(f"{len(seeds)} seeds for {len(encoded)} prompts")
     rows = min(len(encoded), max_batch or len(encoded))
     proposals = 0 if drafter is None else drafter.num_proposals
     needed = prompt_bucket(max(len(p) for p in encoded)) + max_new_tokens + proposals + 1
@@ -93,9 +101,19 @@ def generate(target: Target, prompts: Sequence[str | Sequence[int]], *, max_new_
                     layer_weights=layer_weights, weight_dtype=weight_dtype,
                     draft_weight_dtype=draft_weight_dtype)
     requests = [engine.submit(ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k) for ids in encoded]
+                              top_p=top_p, top_k=top_k, seed=None if seeds is None else seeds[i])
+                for i, ids in enumerate(encoded)]
+    index_of = {id(request): i for i, request in enumerate(requests)}
+
+    def finished(done):
+        if on_finished is not None:
+            for request in done:
+                on_finished(index_of[id(request)], list(request.tokens))
+        if progress is not None:
+            progress(len(done))
+
     start = time.perf_counter()
-    engine.run(None if progress is None else (lambda done: progress(len(done))))
+    engine.run(finished)
     wall = time.perf_counter() - start - engine.compile_s
     total = sum(len(r.tokens) for r in requests)
     results = []

@@ -103,6 +103,23 @@ def test_sampling_is_seeded_and_params_do_not_recompile(target):
     assert len(seeds) > 1
 
 
+def test_seeded_prompts_sample_alike_in_any_batch_and_report_as_they_finish(target):
+    """Per-prompt seeds: a prompt's sampled tokens do not depend on the prompts beside it, the
+    rows or the engine's seed; on_finished sees every prompt once, with its index."""
+    prompts = [[5, 9, 11], [7, 3], [2, 4, 6, 8], [9]]
+    seeds = [11, 12, 13, 14]
+    seen = {}
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=12)
+    together = dspark_jax.generate(target, prompts, seeds=seeds, max_batch=2, seed=1,
+                                   on_finished=lambda i, tokens: seen.setdefault(i, tokens), **kw)
+    assert seen == {i: r.token_ids for i, r in enumerate(together)}
+    for i in (0, 3):
+        alone = dspark_jax.generate(target, [prompts[i]], seeds=[seeds[i]], seed=2, **kw)[0]
+        assert alone.token_ids == together[i].token_ids
+    with pytest.raises(ValueError, match="2 seeds for 4 prompts"):
+        dspark_jax.generate(target, prompts, seeds=seeds[:2], **kw)
+
+
 def test_first_token_law_matches_target_distribution():
     """The first sampled token follows softmax(logits / T) (chi-square over 4000 draws)."""
     tgt = init_target(dict(TINY, vocab_size=8, eos_token_id=None), seed=4)

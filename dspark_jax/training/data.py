@@ -18,9 +18,12 @@ Output folder (read by ``dspark_jax.training.pipeline``):
                   covered by the listed shards).
 
 Runs are resumable: every shard is written to a temporary file and renamed, then the manifest
-is rewritten the same way, so a killed run restarts after the last complete shard. Batch
-composition and sampling seeds depend only on prompt indices, so a resumed run writes the
-same data as an uninterrupted one.
+is rewritten the same way, so a killed run restarts after the last complete shard. One
+engine run answers all the prompts (continuous batching across shards: no shard waits for its
+last rows while the others idle) and a shard is written as soon as its prompts are answered.
+Each prompt samples from its own seed (the base seed and its index), and the engine's kernels
+give a row the same bits whatever decodes beside it, so a resumed run writes the same data as
+an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -110,9 +113,10 @@ def build_sample(prompt_ids: Sequence[int], answer_ids: Sequence[int], *, max_le
     return ids, mask
 
 
-def batch_seed(seed: int, first_prompt: int) -> int:
-    """The sampling seed of the generation batch that starts at prompt ``first_prompt``."""
-    return int(np.random.SeedSequence([seed, first_prompt]).generate_state(1)[0])
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt ``index``: its request's own stream (``Engine.submit``), so its
+    answer does not depend on the prompts decoding beside it, the rows or the shards."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
 
 
 def _atomic_write(path: storage.PathLike, write: Callable) -> None:
@@ -228,41 +232,68 @@ def _resume_manifest(out_dir: storage.Path, sources: list[dict], settings: dict)
     return manifest
 
 
-def _generate_shard(target: Target, prompts: Sequence[str], start: int, settings: dict,
-                    dropped: dict, batch_size: int, progress=None
-                    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Samples of the prompts start, start + 1, ... (one generate call, ``batch_size`` rows
-    decoding together, a finished row's slot refilled with the next prompt); counts drops.
-    ``progress`` is called with the number of prompts done, as they finish."""
+def _regenerate(target: Target, prompts: Sequence[str], start: int, stops: Sequence[int],
+                settings: dict, dropped: dict, batch_size: int, write: Callable,
+                progress=None) -> None:
+    """Answers the prompts start, start + 1, ... in one engine run (``batch_size`` rows decoding
+    together, a finished row's slot refilled with the next prompt, across shard boundaries)
+    and calls ``write(samples, shard_start, shard_stop)`` for each shard, in order, as soon as
+    its prompts are all answered; counts drops. A shard's prompts are [previous stop, stop) for
+    the ascending ``stops``. ``progress`` is called with the number of prompts done, as they
+    finish."""
     max_length, min_loss = settings["max_length"], settings["min_loss_tokens"]
-    todo = []
+    todo, skipped = [], []
     for index, text in enumerate(prompts, start):
         if not text.strip():
             dropped["empty_prompt"] += 1
+            skipped.append(index)
             continue
         ids = chat_ids(target.tokenizer, text)
         if len(ids) + min_loss > max_length:
             dropped["long_prompt"] += 1
+            skipped.append(index)
             continue
         todo.append((index, ids))
-    if progress is not None and len(todo) < len(prompts):
-        progress(len(prompts) - len(todo))
-    if not todo:
-        return []
-    results = generate(target, [ids for _, ids in todo], max_new_tokens=settings["max_new_tokens"],
-                       temperature=settings["temperature"], top_p=settings["top_p"],
-                       top_k=settings["top_k"], seed=batch_seed(settings["seed"], start),
-                       max_batch=batch_size, progress=progress,
-                       weight_dtype=settings.get("weight_dtype"))
-    samples = []
-    for (index, ids), result in zip(todo, results):
-        sample = build_sample(ids, result.token_ids, max_length=max_length,
-                              min_loss_tokens=min_loss)
-        if sample is None:
-            dropped["few_loss_tokens"] += 1
-        else:
-            samples.append((index, *sample))
-    return samples
+    if progress is not None and skipped:
+        progress(len(skipped))
+    answers = dict.fromkeys(skipped)  # prompt index -> answer token ids (None: dropped)
+    bounds = list(zip([start, *stops[:-1]], stops))
+
+    def write_ready():
+        while bounds and all(i in answers for i in range(*bounds[0])):
+            lo, hi = bounds.pop(0)
+            samples = []
+            for index in range(lo, hi):
+                answer = answers.pop(index)
+                if answer is None:
+                    continue
+                sample = build_sample(prompt_ids[index], answer, max_length=max_length,
+                                      min_loss_tokens=min_loss)
+                if sample is None:
+                    dropped["few_loss_tokens"] += 1
+                else:
+                    samples.append((index, *sample))
+            write(samples, lo, hi)
+
+    prompt_ids = dict(todo)
+
+    def finished(position, token_ids):
+        answers[todo[position][0]] = token_ids
+        write_ready()
+
+    write_ready()  # shards with nothing to answer
+    if todo:
+        results = generate(target, [ids for _, ids in todo],
+                           max_new_tokens=settings["max_new_tokens"],
+                           temperature=settings["temperature"], top_p=settings["top_p"],
+                           top_k=settings["top_k"],
+                           seeds=[prompt_seed(settings["seed"], i) for i, _ in todo],
+                           max_batch=batch_size, progress=progress, on_finished=finished,
+                           weight_dtype=settings.get("weight_dtype"))
+        for (index, _), result in zip(todo, results):  # any the callback did not see
+            if bounds and index >= bounds[0][0] and index not in answers:
+                answers[index] = result.token_ids
+        write_ready()
 
 
 def _add_shard(manifest: dict, name: str, samples: list, start: int, stop: int) -> None:
@@ -293,13 +324,16 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
         fewer when some are dropped. A later run with a larger value extends the data set.
       first_prompt: skip the prompts before this index (a held-out split: e.g. train on the
         first 192 prompts, evaluate on prompts from 2000 on).
-      batch_size: rows decoding together (continuous batching within a shard).
+      batch_size: rows decoding together (continuous batching over all the prompts: a row
+        freed near a shard's end takes the next shard's prompt, and each shard is written as
+        soon as its prompts are answered).
       max_new_tokens, temperature, top_p, top_k: sampling of the answers.
       max_length: conversations are truncated to this many tokens.
-      seed: base seed; each shard samples with ``batch_seed(seed, its first prompt index)``.
+      seed: base seed; prompt i samples with its own ``prompt_seed(seed, i)`` (folders written
+        before 2026-12-07 seeded each shard's batch instead: the same law).
       min_loss_tokens: samples with fewer answer tokens (after truncation) are dropped.
-      shard_size: prompts per shard (one ``generate`` call; rounded up to a multiple of
-        ``batch_size``).
+      shard_size: prompts per shard (the unit a killed run resumes from; rounded up to a
+        multiple of ``batch_size``).
       select: keep only the prompts of a named subset (``PROMPT_SELECTIONS``: "code" = those
         that ask for code, "chat" = the others) before ``first_prompt`` / ``max_samples``
         count them; None keeps all.
@@ -338,10 +372,9 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
     bar = tqdm(total=total, initial=min(manifest["prompts_done"], total), unit="prompt",
                desc="prepare_data", disable=not progress, dynamic_ncols=True)
     made, started = 0, time.perf_counter()
-    for shard_start in range(manifest["prompts_done"], total, shard_size):
-        shard_stop = min(shard_start + shard_size, total)
-        samples = _generate_shard(target, prompts[shard_start:shard_stop], shard_start, settings,
-                                  manifest["dropped"], batch_size, bar.update)
+
+    def write(samples, shard_start, shard_stop):
+        nonlocal made
         made += len(samples)
         bar.set_postfix(samples=manifest["num_samples"] + len(samples),
                         samples_per_s=f"{made / (time.perf_counter() - started):.2f}")
@@ -349,6 +382,12 @@ def prepare_data(target: Target, prompt_files: Sequence[str | os.PathLike],
         write_shard(out / name, samples)
         _add_shard(manifest, name, samples, shard_start, shard_stop)
         write_manifest(out, manifest)
+
+    first = manifest["prompts_done"]
+    if first < total:
+        stops = list(range(first + shard_size, total, shard_size)) + [total]
+        _regenerate(target, prompts[first:total], first, stops, settings, manifest["dropped"],
+                    batch_size, write, bar.update)
     bar.close()
     write_manifest(out, manifest)
     return manifest

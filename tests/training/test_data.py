@@ -107,7 +107,8 @@ def test_loss_mask_covers_exactly_the_generated_tokens(smollm2, uninterrupted, m
     prompts = data.read_prompts(math_files)[:3]
     prompt_ids = [chat_ids(smollm2.tokenizer, p) for p in prompts]
     direct = dspark_jax.generate(smollm2, prompt_ids, max_new_tokens=24, temperature=0.7,
-                                 top_p=0.8, top_k=20, seed=data.batch_seed(5, 0))
+                                 top_p=0.8, top_k=20,
+                                 seeds=[data.prompt_seed(5, i) for i in range(3)])
     for (index, ids, mask), p_ids, result in zip(samples(out), prompt_ids, direct):
         assert ids[:len(p_ids)].tolist() == p_ids
         assert ids[len(p_ids):].tolist() == result.token_ids
@@ -117,13 +118,17 @@ def test_loss_mask_covers_exactly_the_generated_tokens(smollm2, uninterrupted, m
 def test_resume_after_kill_equals_uninterrupted(smollm2, uninterrupted, math_files, tmp_path,
                                                 monkeypatch):
     out = tmp_path / "killed"
-    calls = []
 
-    def dying_generate(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("killed")
-        return dspark_jax.generate(*args, **kwargs)
+    def dying_generate(*args, on_finished, **kwargs):
+        """Killed when the fifth prompt finishes: the first shard (prompts 0-2) is written."""
+        finished = []
+
+        def counting(index, tokens):
+            finished.append(index)
+            if len(finished) == 5:
+                raise KeyboardInterrupt("killed")
+            on_finished(index, tokens)
+        return dspark_jax.generate(*args, on_finished=counting, **kwargs)
 
     monkeypatch.setattr(data, "generate", dying_generate)
     with pytest.raises(KeyboardInterrupt):
@@ -172,7 +177,7 @@ def test_a_weight_dtype_reaches_the_engine_and_the_folders_settings(smollm2, tmp
     monkeypatch.setattr(data, "generate", fake_generate)
     manifest = data.prepare_data(smollm2, [path], tmp_path / "out", batch_size=2, shard_size=2,
                                  weight_dtype="bfloat16", progress=False)
-    assert seen == ["bfloat16", "bfloat16"] and manifest["num_samples"] == 4
+    assert seen == ["bfloat16"] and manifest["num_samples"] == 4  # one engine run for both shards
     assert manifest["settings"]["weight_dtype"] == "bfloat16"
     plain = data.prepare_data(smollm2, [path], tmp_path / "plain", batch_size=2, shard_size=2,
                               progress=False)
