@@ -16,8 +16,9 @@ DATA=${DATA:-data/campaign}
 SHARED=${SHARED:-../shared/data/train}
 PER_ROUND=${PER_ROUND:-128}
 # 64 rows decode together (132.6 loss tokens/s against 99.6 with 32 rows, BENCHMARKS.md); a
-# shard (up to 128 prompts: a round's share) is one generate call, so a finished row's slot
-# takes the next prompt (continuous batching). The first shards were written 32 prompts each
+# prepare-data call answers its prompts in one engine run, so a finished row's slot takes the
+# next prompt (continuous batching), and writes a shard of 128 prompts (a round's share) as soon
+# as its prompts are answered. The first shards were written 32 prompts each
 # (64 prompts per round) through 32 rows; rows, shard size and round size only group the work,
 # so every folder resumes with any of them.
 COMMON=(--batch-size 64 --max-new-tokens 192 --max-length 512 --shard-size 128)
