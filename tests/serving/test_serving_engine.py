@@ -249,8 +249,8 @@ def test_rows_that_outgrow_their_cache_view_continue_in_the_next(qwen3, ar_refer
 @pytest.mark.slow  # the default run checks the same lag in tests/decoding/test_speculative.py
 def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
     """A callable policy's ``lagged`` holds, per slot, the confidences of the block it verified
-    two steps earlier, and zeros in a request's first two steps (here a request joins while
-    another is running)."""
+    two steps earlier, and the prior ``NO_HISTORY`` in a request's first two steps (here a
+    request joins while another is running)."""
     target, drafter = law.law_models()  # no EOS: requests run to their limits
     engine = Engine(target, drafter, slots=2, max_len=32, policy=law.recording_policy)
     law.POLICY_CALLS.clear()
@@ -264,7 +264,7 @@ def test_policy_sees_each_slots_confidences_of_two_steps_earlier():
     for slot in range(2):
         age = np.cumsum(active[:, slot]) - 1  # steps the slot's request has run before
         for t in np.flatnonzero(active[:, slot]):
-            want = conf[t - 2, slot] if age[t] >= 2 else np.zeros_like(conf[t, slot])
+            want = conf[t - 2, slot] if age[t] >= 2 else np.full_like(conf[t, slot], round_lib.NO_HISTORY)
             np.testing.assert_allclose(lagged[t, slot], want, rtol=1e-6, err_msg=f"{slot} {t}")
     assert (age >= 2).sum() >= 2  # the second request reached its third step
 
