@@ -21,6 +21,12 @@ choose other starts, applied once to a freshly initialised drafter before step 0
                      drafter's final norm then starts from the target's final norm.
   lr_multipliers     ((group, factor), ...): the learning rate of a top-level parameter group
                      (``markov_head``, ``layers``, ``fc``, ...) times factor; () for one rate.
+  grow_layers        with ``init_from``: the saved drafter may have fewer draft layers than the
+                     run's. Its layers come first, each added layer starts from the fresh
+                     init with its output projections (attention ``o_proj``, MLP
+                     ``down_proj``) zero, an identity residual block (LLaMA Pro's block
+                     expansion): the grown drafter computes what the saved one did, and the
+                     added layers learn from the first step (:func:`grown_state`).
 """
 
 from __future__ import annotations
@@ -42,10 +48,13 @@ MARKOV_INITS = ("reference", "zero_w2", "bigram")
 # The recipe fields at the reference's values: N(0, 0.02) Markov factors, draft layers from
 # init, one learning rate for every parameter.
 RECIPE_REFERENCE = dict(markov_init="reference", markov_w1_scale=1.0, markov_scale=1.0,
-                        bigram_smoothing=1.0, draft_layers_from=(), lr_multipliers=())
+                        bigram_smoothing=1.0, draft_layers_from=(), lr_multipliers=(),
+                        grow_layers=False)
 # Name paths of the Markov factors in a drafter's parameters.
 W1_PATH = ("markov_head", "markov_w1", "embedding")
 W2_PATH = ("markov_head", "markov_w2", "kernel")
+# The output projections of a draft layer's residual branches: zero, the layer is the identity.
+OUTPUT_PROJECTIONS = (("self_attn", "o_proj"), ("mlp", "down_proj"))
 
 
 def bigram_counts(data_dirs: Sequence[str | os.PathLike], vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -183,6 +192,46 @@ def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.St
                 new[("layers",) + names] = np.asarray(leaf)[index]
         new[("norm", "weight")] = np.asarray(target_state["norm"]["weight"][...])
     return replace_params(drafter_state, new) if new else drafter_state
+
+
+def grown_state(saved: nnx.State, fresh: nnx.State) -> nnx.State:
+    """``fresh`` (a drafter of L draft layers) with every parameter of ``saved`` (the same
+    drafter with n <= L layers): layers [0, n) and everything outside the layer stack from
+    ``saved``, layers [n, L) from ``fresh`` with their :data:`OUTPUT_PROJECTIONS` zero, so
+    each adds nothing to the residual stream and the grown drafter's outputs are the saved
+    one's (``grow_layers`` in the module doc).
+
+    Raises:
+      ValueError: a parameter outside the stack differs in shape, or ``saved`` has more layers.
+    """
+    n = jax.tree.leaves(saved["layers"])[0].shape[0]
+    total = jax.tree.leaves(fresh["layers"])[0].shape[0]
+    if n > total:
+        raise ValueError(f"train.grow_layers: the saved drafter has {n} draft layers, the run "
+                         f"{total}: a drafter can grow, not shrink")
+    new = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(fresh)[0]:
+        names = tuple(n_ for n_ in (getattr(k, "key", getattr(k, "name", None)) for k in path)
+                      if n_ != "value")
+        old = np.asarray(_at(saved, names))
+        if names[0] != "layers":
+            if old.shape != leaf.shape:
+                raise ValueError(f"train.grow_layers: {'.'.join(names)} has shape {old.shape} "
+                                 f"in the saved drafter, {leaf.shape} in the run's")
+            new[names] = old
+            continue
+        value = np.array(leaf, dtype=np.float32)
+        value[:n] = old
+        if names[1:3] in OUTPUT_PROJECTIONS:
+            value[n:] = 0.0
+        new[names] = value
+    return replace_params(fresh, new)
+
+
+def _at(state, names: tuple[str, ...]):
+    for name in names:
+        state = state[name]
+    return state[...]
 
 
 def scale_groups(multipliers: Sequence[tuple[str, float]]) -> optax.GradientTransformation:

@@ -144,18 +144,24 @@ class _Logger:
                     self.tb.add_scalar(k, v, record["step"])
 
 
-def warm_start_params(path: str, drafter: Drafter):
+def warm_start_params(path: str, drafter: Drafter, grow_layers: bool = False):
     """The parameters of a saved drafter (``train.init_from``) to start a run from, checked
-    against the run's drafter: same config and tensor shapes.
+    against the run's drafter: same config and tensor shapes, or, with ``grow_layers``
+    (``train.grow_layers``), the same but for fewer draft layers, which
+    :func:`recipe.grown_state` extends by identity layers.
 
     A warm start is a new run: the optimizer state and the learning-rate schedule start over.
     """
     loaded = load_drafter(path, drafter.target)
     mine, theirs = dict(drafter.config), dict(loaded.config)
+    if grow_layers:
+        theirs["num_layers"] = mine["num_layers"]  # grown_state checks it and the shapes
     if mine != theirs:
         diff = sorted(k for k in mine if mine[k] != theirs.get(k))
         raise ValueError(f"train.init_from {path}: its drafter config differs in "
                          + ", ".join(f"{k} ({theirs.get(k)!r}, the run has {mine[k]!r})" for k in diff))
+    if grow_layers:
+        return recipe.grown_state(loaded.state, drafter.state)
     shapes = lambda state: jax.tree.map(lambda x: (x.shape, str(x.dtype)), state)
     if shapes(loaded.state) != shapes(drafter.state):
         raise ValueError(f"train.init_from {path}: its tensors differ from the run's drafter")
@@ -221,7 +227,10 @@ def train(config, workdir: storage.PathLike, *, progress: bool = True) -> Drafte
         params = drafter.state  # replaced by the checkpoint below
     elif tcfg.get("init_from"):
         with jax.set_mesh(mesh):
-            params = warm_start_params(tcfg.init_from, drafter)
+            params = warm_start_params(tcfg.init_from, drafter,
+                                       grow_layers=bool(tcfg.get("grow_layers", False)))
+    elif tcfg.get("grow_layers", False):
+        raise ValueError("train.grow_layers grows the drafter of train.init_from, which is unset")
     else:
         params = recipe.initial_state(drafter.state, drafter.config, target.state, tcfg,
                                       _data_dirs(tcfg), target_config=target.config)

@@ -206,3 +206,49 @@ def test_warm_start_loads_a_saved_drafter_of_the_same_config(drafter, target, tm
                                     block_size=5, num_layers=2, markov_rank=6, head="markov")
     with pytest.raises(ValueError, match=r"differs in block_size \(4, the run has 5\)"):
         warm_start_params(str(tmp_path / "saved"), other)
+
+
+def test_a_drafter_grows_by_identity_layers_and_drafts_as_before(drafter, target, tmp_path):
+    """``train.grow_layers``: a 2-layer drafter warm-starts a 3-layer run; the saved layers come
+    first, the added one has zero output projections, and the grown drafter's teacher-forced
+    logits and confidences are the saved one's."""
+    from flax import nnx
+
+    from dspark_jax.training.trainer import warm_start_params
+
+    drafter.save(tmp_path / "saved", layout="deepspec")
+    grown = dspark_jax.init_drafter(target, target_layer_ids=(0, 2), mask_token_id=23,
+                                    block_size=4, num_layers=3, markov_rank=6, head="markov",
+                                    seed=7)
+    with pytest.raises(ValueError, match=r"differs in num_layers \(2, the run has 3\)"):
+        warm_start_params(str(tmp_path / "saved"), grown)
+    params = warm_start_params(str(tmp_path / "saved"), grown, grow_layers=True)
+    got, saved, fresh = _flat(params), _flat(drafter.state), _flat(grown.state)
+    assert got.keys() == fresh.keys()
+    for key, value in got.items():
+        if "'layers'" not in key:
+            np.testing.assert_array_equal(value, saved[key], err_msg=key)
+            continue
+        np.testing.assert_array_equal(value[:2], saved[key], err_msg=key)
+        if "o_proj" in key or "down_proj" in key:
+            assert not value[2].any(), key
+        else:
+            np.testing.assert_array_equal(value[2], fresh[key][2], err_msg=key)
+            assert value[2].any(), key
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB - 1, (1, 12)))
+    taps = jnp.asarray(np.random.default_rng(1).normal(size=(1, 12, 2 * 32)), jnp.float32)
+    anchors, keep = jnp.array([[1, 5, 8]]), jnp.ones((1, 3), bool)
+
+    def forward(graphdef, state):
+        out = nnx.merge(graphdef, state).forward_train(
+            target.model, input_ids=ids, taps=taps, anchors=anchors, keep=keep,
+            loss_mask=jnp.ones((1, 12), bool))
+        return np.asarray(out.logits), np.asarray(out.confidence)
+
+    for want, have in zip(forward(drafter.graphdef, drafter.state), forward(grown.graphdef, params)):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-5)
+    deep = dspark_jax.init_drafter(target, target_layer_ids=(0, 2), mask_token_id=23,
+                                   block_size=4, num_layers=1, markov_rank=6, head="markov")
+    with pytest.raises(ValueError, match="can grow, not shrink"):
+        warm_start_params(str(tmp_path / "saved"), deep, grow_layers=True)
