@@ -10,7 +10,8 @@
 # dspark-smollm2-135m-campaign (dspark_jax/assets/) with a bfloat16 forward, peak learning rate
 # 1.5e-4 (LR=... changes it: the restarts at 3e-4 up to step 11305 cost a dip of 0.05-0.07
 # held-out tau each, 1.5e-4 one of 0.02, BENCHMARKS.md "A fifth 1,500 steps") and the held-out
-# curve every 100 steps. Rerun the same command after an interruption: the features and the
+# curve every 100 steps (LAYERS=4 grows its draft layers: train.sh). Rerun the same command
+# after an interruption: the features and the
 # Orbax checkpoints resume where they stopped. Afterwards, train.sh's header says how to commit
 # the new drafter.
 set -euo pipefail

@@ -10,6 +10,9 @@
 #   BATCH=16 HELDOUT_EVERY=100 CHECKPOINT_EVERY=100 bash ...      # rows of 512 tokens per step
 #       (default the config's, 4), held-out curve and checkpoint intervals (defaults 50, 25)
 #   ARGS="--train.attention=einsum" bash ...                      # any other config overrides
+#   LAYERS=4 bash launch/smollm2_campaign/train.sh ...            # grow the warm start's draft
+#       layers to 4 (train.grow_layers: the added ones start as identity blocks); unset: the
+#       packaged drafter's own depth
 #   DTYPE=bfloat16 bash launch/smollm2_campaign/train.sh ...      # the step's forward dtype
 #       (train.compute_dtype; float32 on a CPU if unset): bfloat16 where the CPU has AMX
 #       (`grep amx_bf16 /proc/cpuinfo`), 1.7x faster cached steps there, or AVX-512 BF16 (the
@@ -40,9 +43,14 @@ STEPS=${1:-500}
 WORK=${2:-runs/campaign}
 CONFIG=${CONFIG:-configs/dspark_smollm2_135m.py}
 START=${START:-warm}
+PACKAGED=dspark_jax/assets/dspark-smollm2-135m-campaign
 case $START in
-  warm) if [ -f dspark_jax/assets/dspark-smollm2-135m-campaign/config.json ]; then
-          INIT=(--train.init_from=dspark_jax/assets/dspark-smollm2-135m-campaign)
+  warm) if [ -f $PACKAGED/config.json ]; then
+          # The packaged drafter's depth, or LAYERS more (train.grow_layers: identity layers).
+          HAS=$(python -c "import json; print(json.load(open('$PACKAGED/config.json'))['num_hidden_layers'])")
+          LAYERS=${LAYERS:-$HAS}
+          INIT=(--train.init_from=$PACKAGED --drafter.num_layers="$LAYERS")
+          if [ "$LAYERS" -ne "$HAS" ]; then INIT+=(--train.grow_layers=True); fi
         else
           INIT=(--train.markov_init=bigram)
         fi ;;
