@@ -114,13 +114,18 @@ def bigram_factors(data_dirs: Sequence[str | os.PathLike], vocab: int, rank: int
     return w1, w2
 
 
+def name_path(path) -> tuple[str, ...]:
+    """The names of a parameter's key path in an ``nnx.State`` (without nnx's "value")."""
+    names = (getattr(k, "key", getattr(k, "name", None)) for k in path)
+    return tuple(n for n in names if n not in (None, "value"))
+
+
 def replace_params(state: nnx.State, new: dict[tuple[str, ...], np.ndarray]) -> nnx.State:
     """``state`` with the leaves at the given name paths replaced (same dtype and sharding)."""
     found = set()
 
     def one(path, leaf):
-        names = tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
-        names = tuple(n for n in names if n != "value")
+        names = name_path(path)
         if names not in new:
             return leaf
         found.add(names)
@@ -187,7 +192,7 @@ def initial_state(drafter_state: nnx.State, drafter_config, target_state: nnx.St
         index = np.asarray([ids.index(i) for i in source])
         target_layers = target_state["global_layers" if stacked_apart else "layers"]
         for path, leaf in jax.tree_util.tree_flatten_with_path(target_layers)[0]:
-            names = tuple(n for n in (getattr(k, "key", None) for k in path) if n not in (None, "value"))
+            names = name_path(path)
             if names[-1] != "layer_scalar":  # Gemma4's; the draft layers have none
                 new[("layers",) + names] = np.asarray(leaf)[index]
         new[("norm", "weight")] = np.asarray(target_state["norm"]["weight"][...])
@@ -211,8 +216,7 @@ def grown_state(saved: nnx.State, fresh: nnx.State) -> nnx.State:
                          f"{total}: a drafter can grow, not shrink")
     new = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(fresh)[0]:
-        names = tuple(n_ for n_ in (getattr(k, "key", getattr(k, "name", None)) for k in path)
-                      if n_ != "value")
+        names = name_path(path)
         old = np.asarray(_at(saved, names))
         if names[0] != "layers":
             if old.shape != leaf.shape:
