@@ -46,7 +46,7 @@ START=${START:-warm}
 PACKAGED=dspark_jax/assets/dspark-smollm2-135m-campaign
 case $START in
   warm) if [ -f $PACKAGED/config.json ]; then
-          # The packaged drafter's depth, or LAYERS more (train.grow_layers: identity layers).
+          # The packaged drafter's depth, or LAYERS in all (more: train.grow_layers, identity layers).
           HAS=$(python -c "import json; print(json.load(open('$PACKAGED/config.json'))['num_hidden_layers'])")
           LAYERS=${LAYERS:-$HAS}
           INIT=(--train.init_from=$PACKAGED --drafter.num_layers="$LAYERS")
