@@ -12,12 +12,20 @@ may be gone (an earlier machine's), before them. Prints a Markdown table per run
 ``benchmarks/results/learning_curve.json`` and ``.png`` (held-out tau and tau with W2 = 0 against
 steps; training-batch tau behind them; beside, each run's held-out acceptance by block
 position at its last evaluation, the suffix decay, with the fall from position 1 to 6).
+
+``--fit-from STEP`` fits held-out tau at the runs' last evaluations from STEP on (the annealed
+ends of a campaign's segments) as a + b ln(step), prints the gain per doubling of the steps and
+the steps at which the fit reaches each ``--reach`` tau, draws it, and keeps it in the JSON:
+
+    python benchmarks/learning_curve.py --include benchmarks/results/learning_curve.json \
+        --fit-from 4000 --reach 2.0 2.1 2.5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -47,16 +55,36 @@ def suffix_fall(accept: list[float]) -> float:
     return accept[5] / accept[0] - 1
 
 
+def log_fit(points: list[tuple[int, float]], reach: list[float]) -> dict:
+    """The least-squares fit tau = a + b ln(step) of (step, tau) points, the gain per doubling
+    of the steps and the steps at which it reaches each tau in ``reach``."""
+    import numpy as np
+
+    if len({step for step, _ in points}) < 2:
+        raise SystemExit("--fit-from: fewer than two runs end at or after that step")
+    b, a = np.polyfit(np.log([step for step, _ in points]), [tau for _, tau in points], 1)
+    return dict(points=points, a=float(a), b=float(b), per_doubling=float(b * math.log(2)),
+                reach={f"{tau:g}": float(math.exp((tau - a) / b)) if b > 0 else None
+                       for tau in reach})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", action="append", required=True)
+    parser.add_argument("--workdir", action="append", default=[])
     parser.add_argument("--label", action="append", default=[])
     parser.add_argument("--offset", action="append", type=int, default=[],
                         help="steps before each run's step 0 (a warm start), one per --workdir")
     parser.add_argument("--include", type=Path,
                         help="an earlier learning_curve.json whose runs to plot first")
+    parser.add_argument("--fit-from", type=int,
+                        help="fit held-out tau at the runs' last evaluations from this step on "
+                             "against ln(step)")
+    parser.add_argument("--reach", type=float, nargs="*", default=[],
+                        help="with --fit-from: the held-out taus to give the fit's steps for")
     parser.add_argument("--output", default=str(ROOT / "benchmarks/results/learning_curve.json"))
     args = parser.parse_args(argv)
+    if not args.workdir and not args.include:
+        parser.error("give a run's --workdir or an earlier results JSON to --include")
     labels = args.label + [Path(w).name for w in args.workdir[len(args.label):]]
     offsets = args.offset + [0] * (len(args.workdir) - len(args.offset))
     runs = dict(json.loads(args.include.read_text())["runs"]) if args.include else {}
@@ -87,6 +115,18 @@ def main(argv=None) -> int:
         print(f"| {label} | {step} | " + " | ".join(f"{a:.4f}" for a in accept)
               + f" | {suffix_fall(accept):+.1%} |")
 
+    fit = None
+    if args.fit_from is not None:
+        fit = log_fit(sorted((run["heldout"][-1]["step"], run["heldout"][-1]["tau_probabilistic"])
+                             for run in runs.values()
+                             if run["heldout"][-1]["step"] >= args.fit_from), args.reach)
+        fit["from"] = args.fit_from
+        print(f"\nHeld-out tau at the last evaluations from step {args.fit_from} on "
+              f"({len(fit['points'])} runs): {fit['a']:.4f} + {fit['b']:.4f} ln(step), "
+              f"{fit['per_doubling']:+.4f} per doubling of the steps")
+        for tau, steps in fit["reach"].items():
+            print(f"  tau {tau}: " + (f"step {steps:,.0f}" if steps else "not reached (no gain)"))
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,13 +149,19 @@ def main(argv=None) -> int:
             ax.plot(*zip(*zero), "s--", color=color, markersize=3, alpha=0.7)
         if run["train"]:
             ax.plot(*zip(*run["train"]), color=color, alpha=0.2, linewidth=0.8)
+    key = [Line2D([], [], color="gray", marker="o", label="held-out"),
+           Line2D([], [], color="gray", marker="s", linestyle="--", label="held-out, W2 = 0"),
+           Line2D([], [], color="gray", alpha=0.4, label="training batches")]
+    if fit:
+        first, last_step = fit["points"][0][0], fit["points"][-1][0]
+        steps = [first + (last_step - first) * i / 50 for i in range(51)]
+        key += ax.plot(steps, [fit["a"] + fit["b"] * math.log(s) for s in steps], ":",
+                       color="black", linewidth=1.2,
+                       label=f"fit of the runs' ends: {fit['per_doubling']:+.3f} per doubling")
     ax.set_xlabel("step")
     ax.set_ylabel("tau_probabilistic (teacher-forced, block 7)")
     ax.grid(alpha=0.3)
-    ax.legend(handles=[Line2D([], [], color="gray", marker="o", label="held-out"),
-                       Line2D([], [], color="gray", marker="s", linestyle="--", label="held-out, W2 = 0"),
-                       Line2D([], [], color="gray", alpha=0.4, label="training batches")],
-              fontsize=8, loc="upper left")
+    ax.legend(handles=key, fontsize=8, loc="upper left")
     for i, (label, (step, accept)) in enumerate(last.items()):
         by_position.plot(range(1, len(accept) + 1), accept, "o-", color=f"C{i}", markersize=4)
     by_position.set_xlabel("block position")
@@ -127,8 +173,8 @@ def main(argv=None) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out.with_suffix(".png"), dpi=120)
-    out.write_text(json.dumps(dict(machine=cpu_name(), date=time.strftime("%Y-%m-%d"), runs=runs),
-                              indent=1))
+    out.write_text(json.dumps(dict(machine=cpu_name(), date=time.strftime("%Y-%m-%d"), runs=runs)
+                              | ({"fit": fit} if fit else {}), indent=1))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
     return 0
 
